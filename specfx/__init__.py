@@ -1,0 +1,25 @@
+"""specfx: speculative decoding for any Hugging Face causal LM, one compiled graph per round.
+
+Top-level API: :func:`speculate`, :class:`SpeculativeGenerator`, :class:`SpecConfig`,
+:class:`SpecStats`. Building blocks: :mod:`specfx.passes` (FX passes and the ``specfx``
+torch.compile backend), :mod:`specfx.drafters`, :mod:`specfx.sampling`.
+"""
+
+from .config import MAX_SPECULATIVE_TOKENS, SpecConfig
+from .drafters import DraftModel, Drafter
+from .generator import SpeculativeGenerator, speculate
+from .stats import SpecStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # top-level API
+    "speculate",
+    "SpeculativeGenerator",
+    "SpecConfig",
+    "SpecStats",
+    "MAX_SPECULATIVE_TOKENS",
+    # building blocks
+    "Drafter",
+    "DraftModel",
+]

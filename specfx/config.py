@@ -1,0 +1,61 @@
+"""User-facing configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["MAX_SPECULATIVE_TOKENS", "SpecConfig"]
+
+MAX_SPECULATIVE_TOKENS = 16  # K above this unrolls too much for a round graph to pay off
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """How :func:`specfx.speculate` builds the generator.
+
+    Attributes:
+        num_speculative_tokens: K, proposals per round (1..MAX_SPECULATIVE_TOKENS).
+        compile: compile each round (and prefill) into one graph; False runs the same code eagerly.
+        backend: the torch.compile backend for those graphs ("specfx": the pass pipeline then
+            Inductor; "specfx_eager": the passes, then the graph runs eagerly; or any Dynamo backend).
+        rounds_per_sync: rounds launched between host reads of the finished flags (>= 1).
+            Larger values sync less; finished rows idle in the extra rounds.
+        prefill_buckets: prompt lengths prefill is compiled for; a prompt is left-padded up to
+            the next bucket (longer prompts use multiples of the largest bucket).
+        min_capacity: smallest KV-buffer length per row; buffers grow in powers of two.
+    """
+
+    num_speculative_tokens: int = 4
+    compile: bool = True
+    backend: Any = "specfx"
+    rounds_per_sync: int = 1
+    prefill_buckets: tuple[int, ...] = (16, 64, 256, 1024)
+    min_capacity: int = 256
+
+    def __post_init__(self):
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens must be an int in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}. "
+                f"Typical values are 2 to 8."
+            )
+        if not isinstance(self.compile, bool):
+            raise TypeError(f"compile must be True or False, got {self.compile!r}.")
+        r = self.rounds_per_sync
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+            raise ValueError(f"rounds_per_sync must be an int >= 1, got {r!r}.")
+        b = self.prefill_buckets
+        if not b or any(not isinstance(x, int) or x < 1 for x in b) or list(b) != sorted(set(b)):
+            raise ValueError(f"prefill_buckets must be increasing positive ints, got {b!r}.")
+        if not isinstance(self.min_capacity, int) or self.min_capacity < 8:
+            raise ValueError(f"min_capacity must be an int >= 8, got {self.min_capacity!r}.")
+        if not (isinstance(self.backend, str) or callable(self.backend)):
+            raise TypeError(f"backend must be a backend name or a callable, got {self.backend!r}.")
+
+    def bucket(self, length: int) -> int:
+        for b in self.prefill_buckets:
+            if length <= b:
+                return b
+        top = self.prefill_buckets[-1]
+        return -(-length // top) * top

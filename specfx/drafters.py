@@ -1,0 +1,94 @@
+"""Drafters: whatever proposes the K tokens of a round.
+
+A drafter runs inside the round graph, so everything it does is fixed-shape tensor code.
+Today there is one, :class:`DraftModel`; the interface is what prompt lookup, early exit and
+MTP/EAGLE heads plug into.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .runner import ModelRunner
+from .sampling import sample_from
+
+__all__ = ["Drafter", "DraftModel"]
+
+
+class Drafter:
+    """Interface. ``ctx`` is the :class:`specfx.round.RoundContext` of the running round."""
+
+    name = "drafter"
+
+    def bind(self, target: ModelRunner) -> None:
+        """Check compatibility with the target at ``speculate()`` time."""
+
+    def allocate(self, batch_size: int, capacity: int) -> None:
+        """(Re)allocate per-row state for a batch size and buffer capacity."""
+
+    def prefill(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """See the prompt: ids/positions/slots ``[B, P]`` (padding goes to the trash slot)."""
+
+    def propose(self, ctx) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Return proposals ``[B, K]`` and the probabilities ``q [B, K, V]`` each was sampled
+        from (None for a deterministic drafter: q is then one-hot on the proposal)."""
+        raise NotImplementedError
+
+
+class DraftModel(Drafter):
+    """A smaller HF causal LM sharing the target's vocabulary.
+
+    Cache invariant: at a round's start the draft's KV holds every committed position up to
+    ``L - 2`` (L = position of the pending token). The first draft step feeds the two tokens at
+    ``L - 1`` and ``L`` (a *catch-up*: position ``L - 1`` is new to the draft exactly when all K
+    proposals of the previous round were accepted), then K - 1 single-token steps follow. So the
+    draft's cache after a round is what it would be had it seen only the emitted tokens; slots
+    of rejected proposals are overwritten before any query can see them.
+    """
+
+    name = "draft_model"
+
+    def __init__(self, model):
+        self.runner = ModelRunner(model, role="draft")
+        self.model = model
+
+    def bind(self, target: ModelRunner) -> None:
+        if self.runner.vocab_size != target.vocab_size:
+            raise ValueError(
+                f"draft and target vocabularies differ: the draft's LM head has {self.runner.vocab_size} "
+                f"rows, the target's {target.vocab_size}. Speculative decoding needs a draft trained "
+                f"with the target's tokenizer (same vocabulary size and ids)."
+            )
+        if self.runner.device != target.device:
+            raise ValueError(
+                f"draft is on {self.runner.device} but target is on {target.device}; move both to one device."
+            )
+
+    def allocate(self, batch_size: int, capacity: int) -> None:
+        self.runner.allocate(batch_size, capacity)
+
+    def prefill(self, ids, positions, slots) -> None:
+        # Only the KV is needed; the unused logits are removed by the graph passes.
+        self.runner.forward(ids, positions, slots)
+
+    def propose(self, ctx):
+        lengths = ctx.lengths  # [B]
+        pos = torch.stack([lengths - 1, lengths], dim=1)  # [B, 2]
+        ids = ctx.tokens.gather(1, pos)  # [B, 2]: last committed token, pending token
+        logits = self.runner.forward(ids, pos, pos)[:, -1:]  # [B, 1, V]
+        proposals: list[torch.Tensor] = []
+        qs: list[torch.Tensor] = []
+        for i in range(ctx.k):
+            scores = ctx.process(logits, i, proposals)  # [B, 1, V]
+            if ctx.do_sample:
+                probs = scores.softmax(dim=-1)
+                token = sample_from(probs, ctx.uniform(1 + i, probs.shape))  # [B, 1]
+                qs.append(probs)
+            else:
+                token = scores.argmax(dim=-1)  # [B, 1]
+            proposals.append(token)
+            if i + 1 < ctx.k:
+                p = (lengths + 1 + i).unsqueeze(1)  # [B, 1]
+                logits = self.runner.forward(token, p, p)
+        q = torch.cat(qs, dim=1) if ctx.do_sample else None
+        return torch.cat(proposals, dim=1), q

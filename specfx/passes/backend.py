@@ -1,0 +1,74 @@
+"""The ``specfx`` torch.compile backend: the pass pipeline, then Inductor.
+
+Registered under the ``torch_dynamo_backends`` entry point, so
+``torch.compile(fn, backend="specfx")`` works without importing specfx first. For each graph
+Dynamo captures it runs :func:`specfx.passes.run_passes` (host-sync check, static-KV check,
+logit pruning, dead-code removal; lint after each) and hands the result to Inductor. When the
+graph's inputs live on a CUDA device Inductor also captures it as a CUDA graph
+(``triton.cudagraphs``), patched for that compile only. ``specfx_eager`` runs the same passes
+and then executes the rewritten graph without Inductor (for debugging and fast tests).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from .driver import PassReport, run_passes
+
+__all__ = ["GraphRecord", "make_backend", "specfx_backend", "specfx_eager_backend"]
+
+
+@dataclass
+class GraphRecord:
+    """One captured graph: its size and what the passes did to it."""
+
+    nodes: int
+    report: PassReport
+    ops: Counter = field(default_factory=Counter)
+    compiler: str = "inductor"
+
+    def summary(self) -> str:
+        top = ", ".join(f"{k}×{v}" for k, v in self.ops.most_common(6))
+        return (
+            f"{self.nodes} nodes ({self.report.nodes_before} captured) compiled by {self.compiler}; "
+            f"passes: {self.report}; top ops: {top}"
+        )
+
+
+def _op_name(node: fx.Node) -> str:
+    if node.op == "call_method":
+        return f".{node.target}"
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def make_backend(inner: str = "specfx", records: list | None = None):
+    """A backend that records each graph in ``records``. ``inner`` is "specfx" (Inductor
+    after the passes) or "specfx_eager" (run the rewritten graph as is); any other name is
+    looked up as an ordinary Dynamo backend and used without the passes."""
+    if inner not in ("specfx", "specfx_eager"):
+        from torch._dynamo.backends.registry import lookup_backend
+
+        return lookup_backend(inner)
+
+    def backend(gm: fx.GraphModule, example_inputs):
+        report = run_passes(gm)
+        ops = Counter(_op_name(n) for n in gm.graph.nodes if n.op in ("call_function", "call_method"))
+        if records is not None:
+            records.append(GraphRecord(len(gm.graph.nodes), report, ops, "inductor" if inner == "specfx" else "eager"))
+        if inner == "specfx_eager":
+            return gm.forward
+        from torch._inductor.compile_fx import compile_fx
+
+        cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
+        return compile_fx(gm, example_inputs, config_patches={"triton.cudagraphs": True} if cuda else {})
+
+    backend.__name__ = inner
+    return backend
+
+
+specfx_backend = make_backend("specfx")
+specfx_eager_backend = make_backend("specfx_eager")

@@ -1,0 +1,92 @@
+"""One model's forward with static per-row KV, explicit positions and an explicit mask."""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from .cache import SlotCache
+from .masks import build_mask, check_attn_implementation
+
+__all__ = ["ModelRunner", "check_causal_lm"]
+
+_CAUSAL_LM_CLASSES = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+
+
+def check_causal_lm(model, role: str) -> None:
+    """Raise a clear error unless ``model`` is an HF decoder-only causal LM with a KV cache."""
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(
+            f"{role} must be a transformers PreTrainedModel with a causal LM head "
+            f"(e.g. AutoModelForCausalLM.from_pretrained(path)), got {type(model).__name__}."
+        )
+    config = model.config
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"{role} ({type(model).__name__}) is an encoder-decoder model; specfx speculates "
+            f"decoder-only causal LMs."
+        )
+    name = type(model).__name__
+    if name not in _CAUSAL_LM_CLASSES or model.get_output_embeddings() is None:
+        raise ValueError(
+            f"{role} ({name}) is not a causal LM with an LM head. Load it with "
+            f"AutoModelForCausalLM, not AutoModel or a classification head."
+        )
+
+
+class ModelRunner:
+    """Calls an HF causal LM through the stable hooks: a :class:`SlotCache` as
+    ``past_key_values``, a 4-D ``attention_mask`` and ``position_ids``.
+
+    The model object is used as is (no weights copied, nothing patched).
+    """
+
+    def __init__(self, model, role: str):
+        check_causal_lm(model, role)
+        self.model = model
+        self.role = role
+        self.mask_format = check_attn_implementation(model)
+        config = model.config.get_text_config()
+        self.num_layers = config.num_hidden_layers
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.config_vocab_size = config.vocab_size
+        self.max_positions = getattr(config, "max_position_embeddings", None)
+        self.cache: SlotCache | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    def allocate(self, batch_size: int, capacity: int) -> None:
+        """New static buffers, allocated now by one eager probe forward (which learns each
+        layer's KV shapes from the model itself and writes only the trash slot), so that no
+        compiled graph ever allocates or rebinds them."""
+        self.cache = SlotCache(self.num_layers, batch_size, capacity, self.device)
+        zeros = torch.zeros((batch_size, 1), dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            self.forward(zeros, zeros, torch.full_like(zeros, self.cache.trash_slot))
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """ids, positions, slots ``[B, T]`` -> logits ``[B, T, V]``; writes KV at ``slots``.
+
+        Positions are clamped to the model's range: only uncommitted padding ever exceeds it,
+        and an out-of-range learned position embedding would fault inside a kernel.
+        """
+        cache = self.cache
+        cache.slots = slots
+        mask = build_mask(positions, cache.capacity, self.mask_format, self.dtype)
+        if self.max_positions is not None:
+            positions = positions.clamp(max=self.max_positions - 1)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        return out.logits

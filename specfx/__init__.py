@@ -6,7 +6,7 @@ torch.compile backend), :mod:`specfx.drafters`, :mod:`specfx.sampling`.
 """
 
 from .config import MAX_SPECULATIVE_TOKENS, SpecConfig
-from .drafters import DraftModel, Drafter
+from .drafters import Drafter, DraftModel
 from .generator import SpeculativeGenerator, speculate
 from .stats import SpecStats
 

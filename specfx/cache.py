@@ -27,7 +27,7 @@ class SlotLayer(CacheLayerMixin):
     is_compileable = True
     is_sliding = False
 
-    def __init__(self, owner: "SlotCache"):
+    def __init__(self, owner: SlotCache):
         super().__init__()
         self.owner = owner
 

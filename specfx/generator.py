@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import logging
 import time
 import types
@@ -168,7 +167,7 @@ class SpeculativeGenerator:
         self._flags = sp.flags
 
     # ----------------------------------------------------------------- generate
-    @torch.inference_mode()
+    @torch.no_grad()
     def generate(self, inputs=None, **kwargs):
         """Speculative drop-in for ``model.generate()``.
 

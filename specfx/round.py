@@ -43,7 +43,7 @@ class RoundState:
     per_position: torch.Tensor  # [K] int64
 
     @classmethod
-    def allocate(cls, batch: int, capacity: int, vocab: int, k: int, device) -> "RoundState":
+    def allocate(cls, batch: int, capacity: int, vocab: int, k: int, device) -> RoundState:
         def z(*shape, dtype=torch.long):
             return torch.zeros(shape, dtype=dtype, device=device)
 

@@ -68,7 +68,7 @@ class ModelRunner:
         compiled graph ever allocates or rebinds them."""
         self.cache = SlotCache(self.num_layers, batch_size, capacity, self.device)
         zeros = torch.zeros((batch_size, 1), dtype=torch.long, device=self.device)
-        with torch.inference_mode():
+        with torch.no_grad():
             self.forward(zeros, zeros, torch.full_like(zeros, self.cache.trash_slot))
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -50,7 +50,7 @@ class SpecStats:
         row_rounds = self.proposed / len(self.per_position) if self.per_position else 0
         return [a / row_rounds if row_rounds else 0.0 for a in self.per_position]
 
-    def merge(self, other: "SpecStats") -> None:
+    def merge(self, other: SpecStats) -> None:
         self.rounds += other.rounds
         self.proposed += other.proposed
         self.accepted += other.accepted

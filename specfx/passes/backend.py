@@ -30,6 +30,7 @@ class GraphRecord:
     report: PassReport
     ops: Counter = field(default_factory=Counter)
     compiler: str = "inductor"
+    graph_module: fx.GraphModule | None = field(default=None, repr=False)  # after the passes
 
     def summary(self) -> str:
         top = ", ".join(f"{k}×{v}" for k, v in self.ops.most_common(6))
@@ -58,7 +59,8 @@ def make_backend(inner: str = "specfx", records: list | None = None):
         report = run_passes(gm)
         ops = Counter(_op_name(n) for n in gm.graph.nodes if n.op in ("call_function", "call_method"))
         if records is not None:
-            records.append(GraphRecord(len(gm.graph.nodes), report, ops, "inductor" if inner == "specfx" else "eager"))
+            compiler = "inductor" if inner == "specfx" else "eager"
+            records.append(GraphRecord(len(gm.graph.nodes), report, ops, compiler, gm))
         if inner == "specfx_eager":
             return gm.forward
         from torch._inductor.compile_fx import compile_fx

@@ -1,0 +1,36 @@
+import pytest
+import torch
+
+from specfx.models.tiny import perturbed_copy, tiny_causal_lm
+
+ARCHS = ("llama", "qwen2", "gpt2")
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.manual_seed(0)
+    yield
+
+
+def prompt(length: int, batch: int = 1, vocab: int = 128, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (batch, length), generator=g)
+
+
+_cache = {}
+
+
+def pair(arch: str, draft: str = "perturbed"):
+    """Cached (target, draft): draft is 'self' (alpha = 1), 'perturbed' (partial acceptance) or
+    'small' (an independent 1-layer model: acceptance near 0)."""
+    key = (arch, draft)
+    if key not in _cache:
+        target = tiny_causal_lm(arch)
+        if draft == "self":
+            d = target
+        elif draft == "perturbed":
+            d = perturbed_copy(target, 0.03)
+        else:
+            d = tiny_causal_lm(arch, num_layers=1, seed=7)
+        _cache[key] = (target, d)
+    return _cache[key]

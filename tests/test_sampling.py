@@ -1,0 +1,181 @@
+"""Sampler units: hand-built p and q, HF processor equivalence, the random stream."""
+
+import pytest
+import torch
+from scipy import stats
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from specfx.sampling import (
+    PLACEHOLDER,
+    SamplingParams,
+    greedy_verify,
+    process_logits,
+    rejection_verify,
+    sample_from,
+    uniform,
+)
+
+
+def onehot(idx, v):
+    return torch.nn.functional.one_hot(torch.tensor(idx), v).float()
+
+
+def run(p, q, proposals, n=1, seed=0):
+    """Batch n copies of one (p, q, proposals) case through the rejection sampler."""
+    b = n
+    p = p.expand(b, *p.shape[1:]).contiguous()
+    q = q.expand(b, *q.shape[1:]).contiguous()
+    proposals = proposals.expand(b, -1).contiguous()
+    s = torch.tensor(seed)
+    ua = uniform(s, torch.tensor(1), 1, proposals.shape)
+    ur = uniform(s, torch.tensor(1), 2, p.shape)
+    return rejection_verify(p, q, proposals, ua, ur)
+
+
+def test_perfect_match_accepts_all_and_samples_bonus():
+    v = 5
+    p = torch.stack([onehot(1, v), onehot(3, v), onehot(4, v)]).unsqueeze(0)  # [1, 3, V]
+    q = p[:, :2].clone()
+    tokens, n_acc = run(p, q, torch.tensor([[1, 3]]), n=50)
+    assert (n_acc == 2).all()
+    assert (tokens == torch.tensor([1, 3, 4])).all()  # bonus from p at position K+1
+
+
+def test_early_mismatch_emits_correction_and_placeholders():
+    v = 4
+    p = torch.stack([onehot(2, v), onehot(1, v), onehot(0, v)]).unsqueeze(0)
+    q = torch.stack([onehot(3, v), onehot(1, v)]).unsqueeze(0)  # first proposal has p = 0
+    tokens, n_acc = run(p, q, torch.tensor([[3, 1]]), n=50)
+    assert (n_acc == 0).all()
+    assert (tokens[:, 0] == 2).all()  # correction from norm(max(0, p - q)) = token 2
+    assert (tokens[:, 1:] == PLACEHOLDER).all()
+
+
+def test_zero_probability_token_never_accepted():
+    v = 3
+    p = torch.tensor([[[0.5, 0.5, 0.0], [1 / 3, 1 / 3, 1 / 3]]])
+    q = torch.tensor([[[0.0, 0.0, 1.0]]])  # drafter always proposes token 2, which p forbids
+    tokens, n_acc = run(p, q, torch.tensor([[2]]), n=2000)
+    assert (n_acc == 0).all()
+    assert (tokens[:, 0] != 2).all()
+
+
+def test_disjoint_supports_always_reject_and_resample_from_p():
+    v = 4
+    p = torch.tensor([[[0.5, 0.5, 0, 0], [0.25] * 4]])
+    q = torch.tensor([[[0, 0, 0.5, 0.5]]])
+    proposals = torch.tensor([[2]])
+    tokens, n_acc = run(p, q, proposals, n=4000)
+    assert (n_acc == 0).all()
+    counts = torch.bincount(tokens[:, 0], minlength=v)
+    assert counts[2] == 0 and counts[3] == 0
+    assert stats.chisquare(counts[:2].numpy(), [2000, 2000]).pvalue > 1e-3
+
+
+def test_all_accepted_bonus_follows_p():
+    v = 3
+    p = torch.tensor([[[0.0, 1.0, 0.0], [0.2, 0.3, 0.5]]])
+    q = torch.tensor([[[0.0, 1.0, 0.0]]])
+    tokens, n_acc = run(p, q, torch.tensor([[1]]), n=6000)
+    assert (n_acc == 1).all()
+    counts = torch.bincount(tokens[:, 1], minlength=v).numpy()
+    assert stats.chisquare(counts, [1200, 1800, 3000]).pvalue > 1e-3
+
+
+def test_single_position_output_is_exactly_p():
+    """One proposal from q, then the emitted first token must follow p exactly."""
+    v = 5
+    p = torch.tensor([[[0.1, 0.4, 0.0, 0.3, 0.2], [0.2] * 5]])
+    q1 = torch.tensor([0.3, 0.1, 0.4, 0.1, 0.1])
+    n = 20000
+    u = uniform(torch.tensor(5), torch.tensor(0), 9, (n, v))
+    proposals = sample_from(q1.expand(n, v), u).unsqueeze(1)
+    tokens, _ = run(p, q1.view(1, 1, v), proposals, n=n, seed=11)
+    counts = torch.bincount(tokens[:, 0], minlength=v).numpy()
+    assert counts[2] == 0
+    keep = p[0, 0] > 0
+    assert stats.chisquare(counts[keep.numpy()], (p[0, 0][keep] * n).numpy()).pvalue > 1e-3
+
+
+def test_greedy_verify_prefix_and_correction():
+    scores = torch.tensor([[[0, 5, 1.0], [3, 0, 0], [0, 0, 9], [1, 0, 0]]])
+    tokens, n_acc = greedy_verify(scores, torch.tensor([[1, 0, 1]]))
+    assert n_acc.tolist() == [2]
+    assert tokens.tolist() == [[1, 0, 2, PLACEHOLDER]]
+    tokens, n_acc = greedy_verify(scores, torch.tensor([[1, 0, 2]]))
+    assert n_acc.tolist() == [3] and tokens.tolist() == [[1, 0, 2, 0]]
+
+
+def test_uniform_stream_is_uniform_and_reproducible():
+    u = uniform(torch.tensor(123), torch.tensor(7), 3, (200_000,))
+    assert 0 < float(u.min()) and float(u.max()) < 1
+    assert stats.kstest(u.numpy(), "uniform").pvalue > 1e-3
+    assert torch.equal(u, uniform(torch.tensor(123), torch.tensor(7), 3, (200_000,)))
+    assert not torch.equal(u, uniform(torch.tensor(123), torch.tensor(8), 3, (200_000,)))
+    assert not torch.equal(u, uniform(torch.tensor(124), torch.tensor(7), 3, (200_000,)))
+
+
+def test_exponential_race_samples_proportionally():
+    w = torch.tensor([1.0, 2.0, 0.0, 5.0])
+    n = 40000
+    idx = sample_from(w.expand(n, 4), uniform(torch.tensor(1), torch.tensor(2), 3, (n, 4)))
+    counts = torch.bincount(idx, minlength=4).numpy()
+    assert counts[2] == 0
+    assert stats.chisquare(counts[[0, 1, 3]], [n / 8, n / 4, n * 5 / 8]).pvalue > 1e-3
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(do_sample=True, temperature=0.7),
+        SamplingParams(do_sample=True, top_k=5),
+        SamplingParams(do_sample=True, top_p=0.8),
+        SamplingParams(do_sample=True, temperature=1.3, top_k=10, top_p=0.9, repetition_penalty=1.5),
+        SamplingParams(do_sample=False, repetition_penalty=0.8),
+    ],
+    ids=["temperature", "top_k", "top_p", "all", "greedy-penalty"],
+)
+def test_processors_match_transformers(params):
+    torch.manual_seed(0)
+    b, v = 3, 50
+    logits = torch.randn(b, v) * 3
+    history = torch.randint(0, v, (b, 7))
+    hf = LogitsProcessorList()
+    if params.repetition_penalty != 1.0:
+        hf.append(RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
+    if params.do_sample:
+        if params.temperature != 1.0:
+            hf.append(TemperatureLogitsWarper(params.temperature))
+        if params.top_k:
+            hf.append(TopKLogitsWarper(params.top_k))
+        if params.top_p < 1.0:
+            hf.append(TopPLogitsWarper(params.top_p))
+    expected = hf(history, logits.clone())
+    presence = torch.zeros(b, v, dtype=torch.bool).scatter_(1, history, True).unsqueeze(1)
+    values = {
+        "temperature": torch.tensor(params.temperature),
+        "top_k": torch.tensor(params.top_k),
+        "top_p": torch.tensor(params.top_p),
+        "penalty": torch.tensor(params.repetition_penalty),
+        "min_new": torch.tensor(0),
+    }
+    got = process_logits(logits.unsqueeze(1), params.flags, values, presence, torch.zeros(b, 1, dtype=torch.long), torch.tensor([2]))
+    assert torch.equal(got[:, 0].isinf(), expected.isinf())
+    finite = ~expected.isinf()
+    assert torch.allclose(got[:, 0][finite], expected[finite], rtol=1e-6, atol=1e-6)
+
+
+def test_min_new_tokens_masks_eos_only_early():
+    logits = torch.zeros(1, 3, 6)
+    values = {"min_new": torch.tensor(2)}
+    flags = (False, False, True, False, False, False)
+    out = process_logits(logits, flags, values, None, torch.tensor([[0, 1, 2]]), torch.tensor([2, 4]))
+    assert out[0, 0, 2].isinf() and out[0, 1, 4].isinf()
+    assert not out[0, 2].isinf().any()
+    assert not out[0, :, [0, 1, 3, 5]].isinf().any()

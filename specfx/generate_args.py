@@ -203,6 +203,12 @@ def resolve_generate_args(model, vocab_size: int, max_positions: int | None, inp
     if not penalty > 0:
         raise ValueError(f"generate(): repetition_penalty must be > 0, got {penalty}.")
 
+    if call["stopping_criteria"] and input_ids.shape[0] > 1 and not eos:
+        raise ValueError(
+            "generate(): stopping_criteria with batch size > 1 need an eos_token_id: without one, "
+            "transformers keeps generating rows the criteria finished (it has no pad to freeze them), "
+            "which specfx does not reproduce. Pass eos_token_id=, or generate row by row."
+        )
     streamer = call["streamer"]
     if streamer is not None and input_ids.shape[0] != 1:
         raise ValueError("generate(): a streamer needs batch size 1 (as in transformers).")

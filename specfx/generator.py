@@ -208,13 +208,16 @@ class SpeculativeGenerator:
                 rounds_left -= 1
                 if streamer is not None or host_tokens is not None:
                     out_h, n_h = out.cpu(), n.tolist()
-                    if streamer is not None and n_h[0]:
-                        streamer.put(out_h[0, : n_h[0]])
+                    new = [out_h[b, : n_h[b]].tolist() for b in range(batch)]
                     if host_tokens is not None:
                         before = [len(t) for t in host_tokens]
                         for b in range(batch):
-                            host_tokens[b].extend(out_h[b, : n_h[b]].tolist())
+                            host_tokens[b].extend(new[b])
                         self._apply_criteria(req, host_tokens, stop_at, before)
+                        # a criterion may stop a row mid-round: nothing past it is emitted
+                        new = [t if cap is None else t[: max(0, cap - k)] for t, cap, k in zip(new, stop_at, before, strict=False)]
+                    if streamer is not None and new[0]:
+                        streamer.put(torch.tensor(new[0]))
             if req.max_time is not None and time.monotonic() - start > req.max_time:
                 break
         if streamer is not None:
@@ -243,7 +246,7 @@ class SpeculativeGenerator:
         prompt = req.prompt_lengths.cpu()
         tokens = s.tokens.cpu()
         counts = (lengths + 1 - prompt).tolist()
-        counts = [c if cap is None else min(c, cap) for c, cap in zip(counts, stop_at)]
+        counts = [c if cap is None else min(c, cap) for c, cap in zip(counts, stop_at, strict=False)]
         width = max(counts)
         pad = req.pad_token_id if req.pad_token_id is not None else 0
         new = torch.full((len(counts), width), pad, dtype=torch.long)

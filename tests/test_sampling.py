@@ -58,7 +58,6 @@ def test_early_mismatch_emits_correction_and_placeholders():
 
 
 def test_zero_probability_token_never_accepted():
-    v = 3
     p = torch.tensor([[[0.5, 0.5, 0.0], [1 / 3, 1 / 3, 1 / 3]]])
     q = torch.tensor([[[0.0, 0.0, 1.0]]])  # drafter always proposes token 2, which p forbids
     tokens, n_acc = run(p, q, torch.tensor([[2]]), n=2000)

@@ -52,13 +52,15 @@ Each part is timed alone, in a loop of itself, so its weights stay hot in the CP
 a round alternates two models. To separate that effect from the machinery's own cost,
 ``in seq`` times the round's forwards back to back in the round's order (catch-up, K-1
 draft steps, verify) with nothing else: round / in seq is the cost of acceptance,
-bookkeeping and launching one graph instead of K+1 calls. Each number is the median of
-``--micro-iters`` individually timed calls after warm-up. The parts write KV at positions past the end of the last generation; a later
-generate call rewrites every slot before any query can see it.
+bookkeeping and launching one graph instead of K+1 calls. Parts, in seq and round are
+medians of ``--micro-iters`` individually timed calls after warm-up; prefill of
+``--micro-iters // 5`` (at least 5); the generate call of ``--repeats`` (at least 3).
+The parts write KV at positions past the end of the last generation; a later generate call
+rewrites every slot before any query can see it.
 
 On CPU the default is one intra-op thread (``--threads``): on the shared 2-vCPU machine this
-was written on, two OpenMP threads gave the same median for these small forwards but
-outliers of hundreds of milliseconds.
+was written on, two OpenMP threads made these small forwards no faster and gave outliers
+of hundreds of milliseconds.
 """
 
 from __future__ import annotations

@@ -152,7 +152,8 @@ class SpeculativeGenerator:
         s, sp = self.state, req.sampling
         s.prompt_lengths.copy_(req.prompt_lengths)
         s.gen_end.copy_(req.prompt_lengths + req.max_new_tokens)
-        s.seed.fill_(int(torch.randint(0, 2**62, (1,))))  # HF-style: torch.manual_seed reproduces
+        if sp.do_sample:  # HF-style: torch.manual_seed reproduces; greedy leaves the global RNG alone
+            s.seed.fill_(int(torch.randint(0, 2**62, (1,))))
         v = s.values
         v["temperature"].fill_(sp.temperature)
         v["top_k"].fill_(sp.top_k)

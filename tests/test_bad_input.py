@@ -82,14 +82,7 @@ class Guard:
             assert torch.equal(self.spec.generate(self.ids, max_new_tokens=10), self.expected)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine OpenMP
-    workers waiting for a core make these many small forwards 10-20x slower."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import torch
 from .runner import ModelRunner
 from .sampling import sample_from
 
-__all__ = ["Drafter", "DraftModel"]
+__all__ = ["Drafter", "DraftModel", "NAMED_DRAFTERS", "resolve_drafter"]
 
 
 class Drafter:
@@ -92,3 +92,29 @@ class DraftModel(Drafter):
                 logits = self.runner.forward(token, p, p)
         q = torch.cat(qs, dim=1) if ctx.do_sample else None
         return torch.cat(proposals, dim=1), q
+
+
+# name -> factory(argument or None) -> Drafter; ``draft="name"`` or ``draft="name:arg"``.
+# Drafter-free methods register here (prompt lookup, early exit, MTP).
+NAMED_DRAFTERS: dict = {}
+
+
+def resolve_drafter(draft) -> Drafter:
+    """Turn ``speculate()``'s ``draft=`` into a :class:`Drafter` (not yet bound)."""
+    if isinstance(draft, Drafter):
+        return draft
+    if isinstance(draft, str):
+        name, _, arg = draft.partition(":")
+        if name not in NAMED_DRAFTERS:
+            known = ", ".join(repr(n) for n in sorted(NAMED_DRAFTERS)) or "none yet"
+            raise ValueError(
+                f"unknown drafter {draft!r}. Named drafters: {known}; or pass a draft model "
+                f"(a causal LM sharing the target's vocabulary) or a specfx Drafter instance."
+            )
+        return NAMED_DRAFTERS[name](arg or None)
+    if draft is None:
+        raise ValueError(
+            "speculate(): pass draft=, a smaller causal LM sharing the target's vocabulary "
+            "(drafter-free methods such as prompt lookup are not available yet)."
+        )
+    return DraftModel(draft)

@@ -9,7 +9,7 @@ import types
 import torch
 
 from .config import SpecConfig
-from .drafters import Drafter, DraftModel
+from .drafters import resolve_drafter
 from .generate_args import GenerateRequest, resolve_generate_args
 from .passes.backend import GraphRecord, make_backend
 from .round import RoundState, prefill_step, round_step
@@ -57,12 +57,7 @@ class SpeculativeGenerator:
 
     def __init__(self, model, draft, config: SpecConfig):
         self.target_runner = ModelRunner(model, role="target")
-        if draft is None:
-            raise ValueError(
-                "speculate(): pass draft=, a smaller causal LM sharing the target's vocabulary "
-                "(drafter-free methods such as prompt lookup are not available yet)."
-            )
-        self.drafter = draft if isinstance(draft, Drafter) else DraftModel(draft)
+        self.drafter = resolve_drafter(draft)
         self.drafter.bind(self.target_runner)
         self.spec_config = config
         self.k = config.num_speculative_tokens

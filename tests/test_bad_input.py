@@ -135,7 +135,6 @@ NOT_CAUSAL_LM = {
     # name: (factory(target) -> object, exception, regex)
     "base_model_without_lm_head": (_base_model, ValueError, r"not a causal LM.*AutoModelForCausalLM"),
     "torch_linear": (lambda t: torch.nn.Linear(4, 4), TypeError, r"PreTrainedModel.*got Linear"),
-    "string": (lambda t: "gpt2", TypeError, r"PreTrainedModel.*got str"),
     "none_object": (lambda t: object(), TypeError, r"PreTrainedModel.*got object"),
 }
 
@@ -159,6 +158,14 @@ def test_draft_is_not_a_causal_lm(models, kind):
     guard = Guard(target)
     with pytest.raises(exc, match=r"^draft.*" + pattern):
         specfx.speculate(target, draft=bad, num_speculative_tokens=4, compile=False)
+    guard.check()
+
+
+def test_draft_unknown_name(models):
+    target, _ = models
+    guard = Guard(target)
+    with pytest.raises(ValueError, match=r"unknown drafter 'gpt2'.*draft model"):
+        specfx.speculate(target, draft="gpt2", num_speculative_tokens=4, compile=False)
     guard.check()
 
 

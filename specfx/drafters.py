@@ -1,18 +1,21 @@
 """Drafters: whatever proposes the K tokens of a round.
 
 A drafter runs inside the round graph, so everything it does is fixed-shape tensor code.
-Today there is one, :class:`DraftModel`; the interface is what prompt lookup, early exit and
-MTP/EAGLE heads plug into.
+:class:`DraftModel` wraps a small causal LM; drafter-free methods (prompt lookup, early exit,
+MTP heads) register a factory in :data:`NAMED_DRAFTERS` and, to be picked when no draft is
+given, an availability check in :data:`DEFAULT_DRAFTERS`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
 from .runner import ModelRunner
 from .sampling import sample_from
 
-__all__ = ["Drafter", "DraftModel", "NAMED_DRAFTERS", "resolve_drafter"]
+__all__ = ["Drafter", "DraftModel", "DEFAULT_DRAFTERS", "NAMED_DRAFTERS", "resolve_drafter"]
 
 
 class Drafter:
@@ -96,25 +99,44 @@ class DraftModel(Drafter):
 
 # name -> factory(argument or None) -> Drafter; ``draft="name"`` or ``draft="name:arg"``.
 # Drafter-free methods register here (prompt lookup, early exit, MTP).
-NAMED_DRAFTERS: dict = {}
+NAMED_DRAFTERS: dict[str, Callable[[str | None], Drafter]] = {}
+
+# What ``speculate(model)`` uses without ``draft=``: the first ``(name, available(model))``
+# whose check passes, built as ``NAMED_DRAFTERS[name](None)``. Prompt lookup needs nothing
+# from the model, so it is the fallback; methods that need model parts (MTP heads) are
+# inserted before it by their modules.
+DEFAULT_DRAFTERS: list[tuple[str, Callable[[object], bool]]] = [("prompt_lookup", lambda model: True)]
 
 
-def resolve_drafter(draft) -> Drafter:
-    """Turn ``speculate()``'s ``draft=`` into a :class:`Drafter` (not yet bound)."""
+def _named(draft: str) -> Drafter:
+    name, _, arg = draft.partition(":")
+    if name not in NAMED_DRAFTERS:
+        known = ", ".join(repr(n) for n in sorted(NAMED_DRAFTERS)) or "none"
+        raise ValueError(
+            f"unknown drafter {draft!r}. Named drafters: {known} (an argument follows a colon, "
+            f"e.g. 'prompt_lookup:3'); or pass a draft model (a causal LM sharing the target's "
+            f"vocabulary) or a specfx Drafter instance."
+        )
+    return NAMED_DRAFTERS[name](arg or None)
+
+
+def resolve_drafter(draft, model) -> Drafter:
+    """Turn ``speculate()``'s ``draft=`` into a :class:`Drafter` (not yet bound).
+
+    ``draft`` is a Drafter (used as is), a name from :data:`NAMED_DRAFTERS` (``"name"`` or
+    ``"name:arg"``), a causal LM (wrapped in :class:`DraftModel`), or None: the first entry of
+    :data:`DEFAULT_DRAFTERS` available for ``model`` (the target).
+    """
     if isinstance(draft, Drafter):
         return draft
     if isinstance(draft, str):
-        name, _, arg = draft.partition(":")
-        if name not in NAMED_DRAFTERS:
-            known = ", ".join(repr(n) for n in sorted(NAMED_DRAFTERS)) or "none yet"
-            raise ValueError(
-                f"unknown drafter {draft!r}. Named drafters: {known}; or pass a draft model "
-                f"(a causal LM sharing the target's vocabulary) or a specfx Drafter instance."
-            )
-        return NAMED_DRAFTERS[name](arg or None)
+        return _named(draft)
     if draft is None:
+        for name, available in DEFAULT_DRAFTERS:
+            if available(model):
+                return _named(name)
         raise ValueError(
-            "speculate(): pass draft=, a smaller causal LM sharing the target's vocabulary "
-            "(drafter-free methods such as prompt lookup are not available yet)."
+            "speculate(): no default drafter is available for this model; pass draft=, a smaller "
+            "causal LM sharing the target's vocabulary, or a drafter name."
         )
     return DraftModel(draft)

@@ -27,8 +27,11 @@ def speculate(model, draft=None, *, num_speculative_tokens: int = 4, compile: bo
     Args:
         model: the target, a transformers causal LM (``AutoModelForCausalLM``). It is used as
             is: no weights are copied and nothing in it is changed.
-        draft: the drafter: a smaller causal LM with the same vocabulary, or a
-            :class:`specfx.drafters.Drafter`.
+        draft: the drafter: a smaller causal LM with the same vocabulary, a drafter name
+            (``"prompt_lookup"``, ``"name:arg"``; see ``specfx.drafters.NAMED_DRAFTERS``), a
+            :class:`specfx.drafters.Drafter`, or None (default): the first available of
+            ``specfx.drafters.DEFAULT_DRAFTERS`` (MTP heads when the model has them, otherwise
+            prompt lookup). ``spec.method`` names the choice.
         num_speculative_tokens: K, proposals per round.
         compile: compile each round into one graph (True), or run it eagerly (False).
         backend: torch.compile backend for those graphs ("specfx", "specfx_eager", or any).
@@ -57,7 +60,7 @@ class SpeculativeGenerator:
 
     def __init__(self, model, draft, config: SpecConfig):
         self.target_runner = ModelRunner(model, role="target")
-        self.drafter = resolve_drafter(draft)
+        self.drafter = resolve_drafter(draft, model)
         self.drafter.bind(self.target_runner)
         self.spec_config = config
         self.k = config.num_speculative_tokens
@@ -80,6 +83,12 @@ class SpeculativeGenerator:
     @property
     def config(self):
         return self.model.config
+
+    @property
+    def method(self) -> str:
+        """The speculation method in use: the drafter's name ("draft_model", "prompt_lookup",
+        "early_exit", "mtp", ...)."""
+        return self.drafter.name
 
     @property
     def device(self) -> torch.device:

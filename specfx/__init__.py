@@ -1,13 +1,14 @@
 """specfx: speculative decoding for any Hugging Face causal LM, one compiled graph per round.
 
 Top-level API: :func:`speculate`, :class:`SpeculativeGenerator`, :class:`SpecConfig`,
-:class:`SpecStats`. Building blocks: :mod:`specfx.passes` (FX passes and the ``specfx``
+:class:`SpecStats`, :class:`PromptLookup`. Building blocks: :mod:`specfx.passes` (FX passes and the ``specfx``
 torch.compile backend), :mod:`specfx.drafters`, :mod:`specfx.sampling`.
 """
 
 from .config import MAX_SPECULATIVE_TOKENS, SpecConfig
 from .drafters import Drafter, DraftModel
 from .generator import SpeculativeGenerator, speculate
+from .prompt_lookup import PromptLookup
 from .stats import SpecStats
 
 __version__ = "0.1.0"
@@ -18,6 +19,7 @@ __all__ = [
     "SpeculativeGenerator",
     "SpecConfig",
     "SpecStats",
+    "PromptLookup",
     "MAX_SPECULATIVE_TOKENS",
     # building blocks
     "Drafter",

@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MAX_SPECULATIVE_TOKENS", "SpecConfig"]
+__all__ = ["AUTO", "MAX_SPECULATIVE_TOKENS", "SpecConfig"]
 
 MAX_SPECULATIVE_TOKENS = 16  # K above this unrolls too much for a round graph to pay off
+AUTO = "auto"  # num_speculative_tokens="auto": K chosen per round among auto_k_values
 
 
 @dataclass(frozen=True)
@@ -15,7 +16,10 @@ class SpecConfig:
     """How :func:`specfx.speculate` builds the generator.
 
     Attributes:
-        num_speculative_tokens: K, proposals per round (1..MAX_SPECULATIVE_TOKENS).
+        num_speculative_tokens: K, proposals per round (1..MAX_SPECULATIVE_TOKENS), or "auto":
+            K is chosen before each round among ``auto_k_values`` from the acceptance measured so
+            far in the call (one round graph per value, so no recompiles; see
+            :mod:`specfx.auto_k` for the policy).
         compile: compile each round (and prefill) into one graph; False runs the same code eagerly.
         backend: the torch.compile backend for those graphs ("specfx": the pass pipeline then
             Inductor; "specfx_eager": the passes, then the graph runs eagerly; or any Dynamo backend).
@@ -24,6 +28,11 @@ class SpecConfig:
         prefill_buckets: prompt lengths prefill is compiled for; a prompt is left-padded up to
             the next bucket (longer prompts use multiples of the largest bucket).
         min_capacity: smallest KV-buffer length per row; buffers grow in powers of two.
+        auto_k_values: the K values "auto" chooses from (increasing, each in
+            1..MAX_SPECULATIVE_TOKENS); each one used costs one compiled round graph.
+        auto_k_cost: for "auto", the cost of one more proposal (a draft step plus one more
+            verified position) relative to a round's fixed cost; None: the drafter's estimate
+            (``Drafter.proposal_cost``). Higher values favour smaller K.
     """
 
     num_speculative_tokens: int = 4
@@ -32,14 +41,30 @@ class SpecConfig:
     rounds_per_sync: int = 1
     prefill_buckets: tuple[int, ...] = (16, 64, 256, 1024)
     min_capacity: int = 256
+    auto_k_values: tuple[int, ...] = (1, 2, 4, 8)
+    auto_k_cost: float | None = None
 
     def __post_init__(self):
         k = self.num_speculative_tokens
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        if k != AUTO and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS):
             raise ValueError(
                 f"num_speculative_tokens must be an int in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}. "
-                f"Typical values are 2 to 8."
+                f"Typical values are 2 to 8; or {AUTO!r} to choose K per round."
             )
+        a = self.auto_k_values
+        if (
+            not isinstance(a, tuple)
+            or not a
+            or any(isinstance(x, bool) or not isinstance(x, int) or not 1 <= x <= MAX_SPECULATIVE_TOKENS for x in a)
+            or list(a) != sorted(set(a))
+        ):
+            raise ValueError(
+                f"auto_k_values must be a tuple of increasing ints in [1, {MAX_SPECULATIVE_TOKENS}], got {a!r} "
+                f"(e.g. (1, 2, 4, 8))."
+            )
+        c = self.auto_k_cost
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int | float) or not 0 <= c < float("inf")):
+            raise ValueError(f"auto_k_cost must be None or a finite number >= 0, got {c!r}.")
         if not isinstance(self.compile, bool):
             raise TypeError(f"compile must be True or False, got {self.compile!r}.")
         r = self.rounds_per_sync
@@ -52,6 +77,12 @@ class SpecConfig:
             raise ValueError(f"min_capacity must be an int >= 8, got {self.min_capacity!r}.")
         if not (isinstance(self.backend, str) or callable(self.backend)):
             raise TypeError(f"backend must be a backend name or a callable, got {self.backend!r}.")
+
+    @property
+    def k_values(self) -> tuple[int, ...]:
+        """The K values rounds may use: ``auto_k_values`` for "auto", else ``(K,)``."""
+        k = self.num_speculative_tokens
+        return self.auto_k_values if k == AUTO else (k,)
 
     def bucket(self, length: int) -> int:
         for b in self.prefill_buckets:

@@ -15,7 +15,12 @@ import torch
 from .runner import ModelRunner
 from .sampling import sample_from
 
-__all__ = ["Drafter", "DraftModel", "DEFAULT_DRAFTERS", "NAMED_DRAFTERS", "resolve_drafter"]
+__all__ = ["Drafter", "DraftModel", "DEFAULT_DRAFTERS", "NAMED_DRAFTERS", "VERIFY_COST", "resolve_drafter"]
+
+# Cost of verifying one more position, relative to a target forward over one token: the
+# default of Drafter.proposal_cost. Batch-1 decoding reads the weights once whatever the token
+# count, so the extra position is cheap; larger batches and CPUs make it dearer.
+VERIFY_COST = 0.05
 
 
 class Drafter:
@@ -31,6 +36,12 @@ class Drafter:
 
     def prefill(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """See the prompt: ids/positions/slots ``[B, P]`` (padding goes to the trash slot)."""
+
+    def proposal_cost(self, target: ModelRunner) -> float:
+        """Estimated cost of one more proposal (drafting it and verifying its position)
+        relative to a round's fixed cost (about one target forward); the default K-selection
+        cost of ``num_speculative_tokens="auto"``. A drafter that runs no model: VERIFY_COST."""
+        return VERIFY_COST
 
     def propose(self, ctx) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Return proposals ``[B, K]`` and the probabilities ``q [B, K, V]`` each was sampled
@@ -69,6 +80,12 @@ class DraftModel(Drafter):
 
     def allocate(self, batch_size: int, capacity: int) -> None:
         self.runner.allocate(batch_size, capacity)
+
+    def proposal_cost(self, target: ModelRunner) -> float:
+        # a draft step costs about its share of the parameters (weights are read per step)
+        draft = sum(p.numel() for p in self.model.parameters())
+        full = sum(p.numel() for p in target.model.parameters())
+        return VERIFY_COST + draft / full
 
     def prefill(self, ids, positions, slots) -> None:
         # Only the KV is needed; the unused logits are removed by the graph passes.

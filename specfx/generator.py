@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import types
 
 import torch
 
-from .config import SpecConfig
+from .auto_k import AutoK
+from .config import AUTO, SpecConfig
 from .drafters import resolve_drafter
 from .generate_args import GenerateRequest, resolve_generate_args
 from .passes.backend import GraphRecord, make_backend
@@ -21,7 +23,9 @@ __all__ = ["SpeculativeGenerator", "speculate"]
 logger = logging.getLogger(__name__)
 
 
-def speculate(model, draft=None, *, num_speculative_tokens: int = 4, compile: bool = True, backend="specfx", **options):
+def speculate(
+    model, draft=None, *, num_speculative_tokens: int | str = 4, compile: bool = True, backend="specfx", **options
+):
     """Wrap an HF causal LM for speculative generation.
 
     Args:
@@ -32,7 +36,8 @@ def speculate(model, draft=None, *, num_speculative_tokens: int = 4, compile: bo
             :class:`specfx.drafters.Drafter`, or None (default): the first available of
             ``specfx.drafters.DEFAULT_DRAFTERS`` (MTP heads when the model has them, otherwise
             prompt lookup). ``spec.method`` names the choice.
-        num_speculative_tokens: K, proposals per round.
+        num_speculative_tokens: K, proposals per round, or "auto": K chosen per round from the
+            measured acceptance among ``auto_k_values`` (one compiled round graph per value).
         compile: compile each round into one graph (True), or run it eagerly (False).
         backend: torch.compile backend for those graphs ("specfx", "specfx_eager", or any).
         **options: further :class:`SpecConfig` fields (rounds_per_sync, prefill_buckets, ...).
@@ -63,7 +68,11 @@ class SpeculativeGenerator:
         self.drafter = resolve_drafter(draft, model)
         self.drafter.bind(self.target_runner)
         self.spec_config = config
-        self.k = config.num_speculative_tokens
+        self.auto_k = None  # AutoK for num_speculative_tokens="auto"; .history lists the Ks used
+        if config.num_speculative_tokens == AUTO:
+            cost = config.auto_k_cost
+            self.auto_k = AutoK(config.k_values, self.drafter.proposal_cost(self.target_runner) if cost is None else cost)
+        self.k = max(config.k_values)  # state buffers fit the largest K
         self.vocab = self.target_runner.vocab_size
         self.state: RoundState | None = None
         self._shape: tuple[int, int] | None = None  # (batch, capacity) of the allocated state
@@ -71,7 +80,12 @@ class SpeculativeGenerator:
         self.graphs: list[GraphRecord] = []
         self._backend = make_backend(config.backend, self.graphs) if isinstance(config.backend, str) else config.backend
         self._prefill_fn = self._maybe_compile(_own_code(SpeculativeGenerator._prefill_impl))
-        self._round_fn = self._maybe_compile(_own_code(SpeculativeGenerator._round_impl))
+        # one round graph per K (its own code object, so switching K never recompiles)
+        self._round_fns = {
+            k: functools.partial(self._maybe_compile(_own_code(SpeculativeGenerator._round_impl)), k)
+            for k in config.k_values
+        }
+        self._round_fn = self._round_fns[self.k]
         self.stats = SpecStats()
         self.cumulative_stats = SpecStats()
 
@@ -109,10 +123,8 @@ class SpeculativeGenerator:
 
     def __repr__(self) -> str:
         mode = f"compiled ({self.spec_config.backend})" if self.spec_config.compile else "eager"
-        return (
-            f"SpeculativeGenerator(target={type(self.model).__name__}, drafter={self.drafter.name}, "
-            f"K={self.k}, {mode})"
-        )
+        k = f"auto{self.spec_config.k_values}" if self.auto_k is not None else self.k
+        return f"SpeculativeGenerator(target={type(self.model).__name__}, drafter={self.drafter.name}, K={k}, {mode})"
 
     # ----------------------------------------------------------------- graphs
     def _maybe_compile(self, fn):
@@ -124,8 +136,8 @@ class SpeculativeGenerator:
     def _prefill_impl(self, ids):
         return prefill_step(self.target_runner, self.drafter, self.state, ids, self._flags, self.vocab)
 
-    def _round_impl(self):
-        return round_step(self.target_runner, self.drafter, self.state, self.k, self._flags, self.vocab)
+    def _round_impl(self, k: int):
+        return round_step(self.target_runner, self.drafter, self.state, k, self._flags, self.vocab)
 
     def explain(self) -> str:
         """What was done to the model: the passes applied to each captured graph and its size."""
@@ -205,11 +217,17 @@ class SpeculativeGenerator:
                 host_tokens[b].append(t)
             self._apply_criteria(req, host_tokens, stop_at, 0)
 
-        s = self.state
         rounds_left = req.max_new_tokens  # every round emits >= 1 token per active row
-        while rounds_left > 0 and not bool(s.finished.all()):
+        auto, k = self.auto_k, self.k
+        if auto is not None:
+            auto.reset()
+        while rounds_left > 0 and not self._sync_finished():
+            if auto is not None:
+                k = auto.k
+                auto.history.append(k)
+            round_fn = self._round_fns[k]
             for _ in range(min(self.spec_config.rounds_per_sync, rounds_left)):
-                out, n = self._round_fn()
+                out, n = round_fn()
                 rounds_left -= 1
                 if streamer is not None or host_tokens is not None:
                     out_h, n_h = out.cpu(), n.tolist()
@@ -228,6 +246,18 @@ class SpeculativeGenerator:
         if streamer is not None:
             streamer.end()
         return self._finish(req, stop_at)
+
+    def _sync_finished(self) -> bool:
+        """The host's read between rounds: are all rows finished? With "auto" the acceptance
+        counters come back in the same transfer and choose the next K."""
+        s = self.state
+        if self.auto_k is None:
+            return bool(s.finished.all())
+        counters = [s.finished.all().long(), s.accepted.sum(), s.row_rounds.sum()]
+        read = torch.cat([torch.stack(counters), s.per_position])
+        done, accepted, row_rounds, *per_position = read.tolist()
+        self.auto_k.update(accepted, row_rounds, per_position)
+        return bool(done)
 
     def _apply_criteria(self, req, host_tokens, stop_at, before) -> None:
         """Run the user's stopping criteria token by token (HF semantics: stop right after the
@@ -273,6 +303,7 @@ class SpeculativeGenerator:
             proposed=int(s.proposed.sum()),
             accepted=int(s.accepted.sum()),
             emitted=int(s.emitted.sum()),
+            row_rounds=int(s.row_rounds.sum()),
             per_position=s.per_position.tolist(),
             per_row_accepted=s.accepted.tolist(),
             per_row_proposed=s.proposed.tolist(),

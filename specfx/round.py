@@ -40,7 +40,8 @@ class RoundState:
     proposed: torch.Tensor  # [B] int64
     accepted: torch.Tensor  # [B] int64
     emitted: torch.Tensor  # [B] int64
-    per_position: torch.Tensor  # [K] int64
+    row_rounds: torch.Tensor  # [B] int64, rounds each row was active in
+    per_position: torch.Tensor  # [K] int64 (K = the largest K rounds may use)
 
     @classmethod
     def allocate(cls, batch: int, capacity: int, vocab: int, k: int, device) -> RoundState:
@@ -69,6 +70,7 @@ class RoundState:
             proposed=z(batch),
             accepted=z(batch),
             emitted=z(batch),
+            row_rounds=z(batch),
             per_position=z(k),
         )
         if torch.device(device).type == "cuda":
@@ -156,7 +158,7 @@ def prefill_step(target, drafter, state: RoundState, ids: torch.Tensor, flags, v
     s.seen.scatter_add_(1, first.unsqueeze(1), torch.ones_like(first, dtype=torch.int32).unsqueeze(1))
     is_eos = (first.unsqueeze(1) == s.eos_ids).any(dim=1)
     s.finished.copy_(is_eos | (s.lengths + 1 >= s.gen_end))
-    for t in (s.rounds, s.proposed, s.accepted, s.emitted, s.per_position):
+    for t in (s.rounds, s.proposed, s.accepted, s.emitted, s.row_rounds, s.per_position):
         t.zero_()
     return first
 
@@ -212,5 +214,6 @@ def round_step(target, drafter, state: RoundState, k: int, flags, vocab: int):
     s.proposed.add_(act * k)
     s.accepted.add_(act * n_accepted)
     s.emitted.add_(n)
-    s.per_position.add_(((idx[:, :k] < n_accepted.unsqueeze(1)) & active.unsqueeze(1)).long().sum(dim=0))
+    s.row_rounds.add_(act)
+    s.per_position[:k].add_(((idx[:, :k] < n_accepted.unsqueeze(1)) & active.unsqueeze(1)).long().sum(dim=0))
     return out, n

@@ -21,6 +21,7 @@ class SpecStats:
             limit, so it measures the drafter.
         emitted: tokens committed by rounds (accepted + correction/bonus, after truncation);
             the first token, sampled by prefill, is not included.
+        row_rounds: rounds counted once per row that was active in them.
         per_position: ``per_position[i]`` = how often proposal i (0-based) was accepted.
         per_row_accepted / per_row_proposed: the same counts per batch row (last call only).
     """
@@ -29,6 +30,7 @@ class SpecStats:
     proposed: int = 0
     accepted: int = 0
     emitted: int = 0
+    row_rounds: int = 0
     per_position: list[int] = field(default_factory=list)
     per_row_accepted: list[int] = field(default_factory=list)
     per_row_proposed: list[int] = field(default_factory=list)
@@ -41,20 +43,20 @@ class SpecStats:
     @property
     def tokens_per_round(self) -> float:
         """τ = emitted tokens per row-round (mean accepted length + 1)."""
-        row_rounds = self.proposed / len(self.per_position) if self.per_position else 0
-        return self.emitted / row_rounds if row_rounds else 0.0
+        return self.emitted / self.row_rounds if self.row_rounds else 0.0
 
     @property
     def per_position_rate(self) -> list[float]:
-        """Acceptance rate of proposal i given rounds (row-rounds) — a decreasing curve."""
-        row_rounds = self.proposed / len(self.per_position) if self.per_position else 0
-        return [a / row_rounds if row_rounds else 0.0 for a in self.per_position]
+        """Acceptance rate of proposal i given rounds (row-rounds) — a decreasing curve. With
+        ``num_speculative_tokens="auto"`` rounds with a K <= i count as misses for position i."""
+        return [a / self.row_rounds if self.row_rounds else 0.0 for a in self.per_position]
 
     def merge(self, other: SpecStats) -> None:
         self.rounds += other.rounds
         self.proposed += other.proposed
         self.accepted += other.accepted
         self.emitted += other.emitted
+        self.row_rounds += other.row_rounds
         if len(self.per_position) < len(other.per_position):
             self.per_position += [0] * (len(other.per_position) - len(self.per_position))
         for i, a in enumerate(other.per_position):

@@ -193,20 +193,7 @@ def test_encoder_decoder_draft(models):
     guard.check()
 
 
-def test_draft_none(models):
-    target, _ = models
-    guard = Guard(target)
-    with pytest.raises(ValueError, match=r"pass draft="):
-        specfx.speculate(target, draft=None, num_speculative_tokens=4, compile=False)
-    guard.check()
-
-
-def test_draft_omitted(models):
-    target, _ = models
-    guard = Guard(target)
-    with pytest.raises(ValueError, match=r"pass draft="):
-        specfx.speculate(target, num_speculative_tokens=4, compile=False)
-    guard.check()
+# draft=None is not an error: the default drafter (tests/test_prompt_lookup.py).
 
 
 # --------------------------------------------------------------------------- speculate(): K

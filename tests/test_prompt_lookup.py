@@ -131,10 +131,8 @@ def test_left_padded_batch_matches_batched_generate(model, one_thread):
     target = MODELS[model]()
     spec = specfx.speculate(target, draft=specfx.PromptLookup(max_ngram=2), num_speculative_tokens=3, compile=False)
     ids = torch.cat([_repeating_prompt(s, length=12, span=4) for s in range(3)])
-    mask = torch.ones_like(ids)
-    mask[0, :5] = 0
-    mask[2, :3] = 0
-    ids = ids.masked_fill(mask == 0, 0)
+    mask = (torch.arange(12) >= torch.tensor([[5], [0], [3]])).long()  # left padding of 5, 0, 3
+    ids = ids * mask
     kw = dict(attention_mask=mask, max_new_tokens=25, eos_token_id=None, pad_token_id=0)
     assert torch.equal(spec.generate(ids, **kw), target.generate(ids, **kw))
 

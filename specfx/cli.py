@@ -1,96 +1,190 @@
-"""The ``specfx`` command. ``specfx demo`` speculates a small random pair on this machine and
-checks the output against ``model.generate()``.
+"""The ``specfx`` command.
 
-A trained demo pair comes later; with random weights acceptance is only meaningful for the
-draft kinds used here: ``self`` (the target drafts for itself: α = 1, the machinery's
-ceiling) and ``perturbed`` (a noisy copy of the target: partial acceptance).
+``specfx demo`` completes held-out code prompts with the shipped demo pair (a small
+Llama-style target and a much smaller draft trained on the Python standard library; see
+``specfx/models/demo_pair/MODEL_CARD.md``), marks the drafted-and-accepted tokens, times HF
+``generate()``, HF assisted generation and specfx on the same prompts, checks that specfx's
+greedy output is identical to HF's, and writes a plot. ``specfx bench`` is the benchmark (see
+:mod:`specfx.bench`).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import time
+from pathlib import Path
 
 import torch
 
-__all__ = ["main"]
+__all__ = ["main", "demo", "MarkingStreamer"]
+
+ACCEPTED_ON, ACCEPTED_OFF = "\033[1;32m", "\033[0m"  # bold green on a terminal
+PLAIN_ON, PLAIN_OFF = "«", "»"
 
 
-def _timed(fn, repeats: int = 3):
-    times, out = [], None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return out, sorted(times)[len(times) // 2]
+class MarkingStreamer:
+    """An HF-style streamer (``put``/``end``) that records which emitted tokens were drafted
+    and accepted. specfx streams a round's emitted tokens together: all but the last are
+    accepted proposals, the last is the target's correction or bonus token. The first put is
+    the prompt, the second the token prefill sampled from the target."""
+
+    def __init__(self):
+        self.tokens: list[tuple[int, bool]] = []  # (token id, drafted and accepted)
+        self._puts = 0
+
+    def put(self, value: torch.Tensor) -> None:
+        self._puts += 1
+        if self._puts == 1:
+            return  # the prompt
+        ids = value.reshape(-1).tolist()
+        self.tokens += [(t, i < len(ids) - 1) for i, t in enumerate(ids)]
+
+    def end(self) -> None:
+        pass
+
+
+def render_marked(tokenizer, tokens: list[tuple[int, bool]], color: bool) -> str:
+    """The completion with runs of accepted tokens wrapped in colour (or « »)."""
+    on, off = (ACCEPTED_ON, ACCEPTED_OFF) if color else (PLAIN_ON, PLAIN_OFF)
+    out, i = [], 0
+    while i < len(tokens):
+        j = i
+        while j < len(tokens) and tokens[j][1] == tokens[i][1]:
+            j += 1
+        text = tokenizer.decode([t for t, _ in tokens[i:j]])
+        out.append(f"{on}{text}{off}" if tokens[i][1] else text)
+        i = j
+    return "".join(out)
 
 
 def demo(args) -> int:
+    """``specfx demo``: see the module docstring and ``specfx demo --help``."""
     import specfx
-    from specfx.models.tiny import perturbed_copy, tiny_causal_lm
+    from specfx.bench import acceptance_plot, hf_assisted_kwargs, spinner, time_method
+    from specfx.models.demo import demo_prompts, load_demo_pair
 
-    torch.manual_seed(args.seed)
     device = torch.device(args.device)
-    print(f"specfx demo: random Llama-shaped target (hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}) on {device}")
-    target = tiny_causal_lm(
-        "llama", vocab_size=args.vocab, num_layers=args.layers, hidden_size=args.hidden,
-        intermediate_size=2 * args.hidden, num_attention_heads=8, num_key_value_heads=4, max_positions=1024,
-        initializer_range=0.1,
-    ).to(device)
-    draft = target if args.draft == "self" else perturbed_copy(target, 0.02).to(device)
-    ids = torch.randint(3, args.vocab, (1, args.prompt_len), generator=torch.Generator().manual_seed(args.seed)).to(device)
-    kw = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
+    saved_threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)  # small forwards gain nothing from more threads
+    try:
+        with spinner("loading the demo pair"):
+            target, draft, tok = load_demo_pair(device)
+        n_t = sum(p.numel() for p in target.parameters()) / 1e6
+        n_d = sum(p.numel() for p in draft.parameters()) / 1e6
+        print(
+            f"specfx demo: target {n_t:.1f} M params, draft {n_d:.2f} M params (trained on the Python stdlib), "
+            f"K = {args.k}, {'sampling' if args.sample else 'greedy'}, {device}"
+        )
+        texts = args.prompt or [p["text"] for p in demo_prompts()[: args.num_prompts]]
+        prompts = [tok(t, return_tensors="pt").input_ids.to(device) for t in texts]
+        kw = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, pad_token_id=tok.pad_token_id)
+        if args.sample:
+            kw.update(temperature=args.temperature, top_p=0.95)
 
-    rows = []
-    ref, t_hf = _timed(lambda: target.generate(ids, **kw))
-    rows.append(("HF generate()", t_hf))
-    eager = specfx.speculate(target, draft=draft, num_speculative_tokens=args.k, compile=False)
-    out_eager, t_eager = _timed(lambda: eager.generate(ids, **kw))
-    rows.append(("specfx eager", t_eager))
-    results = {"eager": out_eager}
-    spec = eager
-    if not args.no_compile:
-        spec = specfx.speculate(target, draft=draft, num_speculative_tokens=args.k, compile=True)
-        print("compiling the prefill and round graphs (first call; ~30-90 s on a small CPU) ...", flush=True)
-        t0 = time.perf_counter()
-        spec.generate(ids, **kw)
-        print(f"  compiled in {time.perf_counter() - t0:.1f} s")
-        out_c, t_c = _timed(lambda: spec.generate(ids, **kw))
-        rows.append(("specfx compiled", t_c))
-        results["compiled"] = out_c
+        def seeded(fn):
+            def run(ids):
+                torch.manual_seed(args.seed)
+                return fn(ids)
 
-    new = ref.shape[1] - ids.shape[1]
-    print(f"\n{'method':<18}{'tokens/s':>10}{'vs HF':>8}")
-    for name, t in rows:
-        print(f"{name:<18}{new / t:>10.1f}{t_hf / t:>7.2f}x")
-    st = spec.stats
-    print(f"\nK = {args.k}, draft = {args.draft}: τ (tokens/round) = {st.tokens_per_round:.2f}, α = {st.acceptance_rate:.2f}")
-    ok = all(torch.equal(o, ref) for o in results.values())
-    print(f"greedy output identical to HF generate(): {'yes' if ok else 'NO'}")
-    if not args.no_compile:
-        print("\n" + spec.explain())
-    return 0 if ok else 1
+            return run
+
+        eager = specfx.speculate(target, draft=draft, num_speculative_tokens=args.k, compile=False)
+        methods = {
+            "HF generate()": seeded(lambda ids: target.generate(ids, **kw)),
+            f"HF assisted (K={args.k})": seeded(
+                lambda ids: target.generate(ids, **hf_assisted_kwargs(draft, args.k), **kw)
+            ),
+            "specfx eager": seeded(lambda ids: eager.generate(ids, **kw)),
+        }
+        spec = eager
+        if not args.no_compile:
+            spec = specfx.speculate(target, draft=draft, num_speculative_tokens=args.k, compile=True)
+            with spinner("compiling the prefill and round graphs (first call; ~1 min on a small CPU)"):
+                spec.generate(prompts[0], **kw)
+            methods["specfx compiled"] = seeded(lambda ids: spec.generate(ids, **kw))
+
+        rows, outputs = {}, {}
+        for name, fn in methods.items():
+            with spinner(f"timing {name}"):
+                t, outs = time_method(fn, prompts, args.repeats)
+            rows[name] = sum(o.shape[1] - p.shape[1] for o, p in zip(outs, prompts, strict=True)) / t
+            outputs[name] = outs
+        spec.cumulative_stats = type(spec.stats)()  # the stats below: one marked pass over the prompts
+
+        color = sys.stdout.isatty() and not args.no_color
+        mark = f"{ACCEPTED_ON}green{ACCEPTED_OFF}" if color else f"{PLAIN_ON}between these marks{PLAIN_OFF}"
+        print(f"\ncompletions (drafted-and-accepted tokens in {mark}):")
+        for i, ids in enumerate(prompts):
+            streamer = MarkingStreamer()
+            torch.manual_seed(args.seed)
+            spec.generate(ids, streamer=streamer, **kw)
+            print(f"\n--- prompt {i + 1} ---\n{texts[i]}", end="")
+            print("" if texts[i].endswith("\n") else "\n", end="")
+            print("--- completion ---")
+            print(render_marked(tok, streamer.tokens, color))
+    finally:
+        torch.set_num_threads(saved_threads)
+
+    base = rows["HF generate()"]
+    print(f"\n{'method':<22}{'tokens/s':>10}{'vs HF generate()':>18}")
+    for name, tps in rows.items():
+        print(f"{name:<22}{tps:>10.1f}{tps / base:>17.2f}x")
+    st = spec.cumulative_stats
+    print(
+        f"\nτ (tokens per round) = {st.tokens_per_round:.2f}, α (acceptance rate) = {st.acceptance_rate:.2f}, K = {args.k}"
+    )
+    print("acceptance by position: " + ", ".join(f"{r:.2f}" for r in st.per_position_rate))
+    ref = outputs["HF generate()"]
+    same = all(
+        all(torch.equal(a, b) for a, b in zip(outs, ref, strict=True))
+        for name, outs in outputs.items()
+        if name.startswith("specfx")
+    )
+    if args.sample:
+        print(
+            "sampling: outputs differ from HF's draw by design; the distribution is the target's (tests/test_lossless.py)"
+        )
+    else:
+        print(f"greedy output identical to HF generate(): {'yes' if same else 'NO'}")
+    acceptance_plot(
+        args.plot,
+        {f"specfx K = {args.k}": st.per_position_rate},
+        rows,
+        f"Speed ({args.max_new_tokens} new tokens, {device})",
+    )
+    print(f"plot: {args.plot.resolve()}")
+    return 0 if same or args.sample else 1
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="specfx", description=__doc__.split("\n\n")[0])
+    """Entry point of the ``specfx`` console script."""
+    parser = argparse.ArgumentParser(prog="specfx", description=__doc__.split("\n\n")[1].replace("\n", " "))
     sub = parser.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="speculate a small random pair and compare with HF generate()")
-    d.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    d.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    d.add_argument("--max-new-tokens", type=int, default=96)
-    d.add_argument("--prompt-len", type=int, default=24)
-    d.add_argument("--draft", choices=("self", "perturbed"), default="perturbed")
-    d.add_argument("--hidden", type=int, default=256)
-    d.add_argument("--layers", type=int, default=4)
-    d.add_argument("--vocab", type=int, default=2048)
+    d = sub.add_parser("demo", help="complete held-out code with the shipped pair; compare with HF")
+    d.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    d.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable; default: held-out code)")
+    d.add_argument("--num-prompts", type=int, default=3, help="held-out prompts to use when no --prompt is given")
+    d.add_argument("--max-new-tokens", type=int, default=64)
+    d.add_argument("--k", type=int, default=4, help="K, proposals per round")
+    d.add_argument("--sample", action="store_true", help="sample (temperature, top-p 0.95) instead of greedy")
+    d.add_argument("--temperature", type=float, default=0.8)
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--no-compile", action="store_true", help="eager rounds only (no Inductor compile)")
+    d.add_argument("--repeats", type=int, default=2, help="timed runs per method after a warm-up")
+    d.add_argument("--threads", type=int, default=1, help="torch threads on CPU")
+    d.add_argument("--no-compile", action="store_true", help="eager rounds only (skips the ~1 min compile)")
+    d.add_argument("--no-color", action="store_true", help="mark accepted tokens with « » even on a terminal")
+    d.add_argument("--plot", type=Path, default=Path("specfx_demo.png"), help="where to write the PNG")
+    sub.add_parser("bench", help="benchmark specfx against HF (specfx bench --help)", add_help=False)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        from specfx.bench import main as bench_main
+
+        return bench_main(argv[1:])
     args = parser.parse_args(argv)
-    if args.command == "demo":
-        return demo(args)
-    return 2
+    if args.k < 1 or args.max_new_tokens < 1 or args.num_prompts < 1 or args.repeats < 1:
+        parser.error("--k, --max-new-tokens, --num-prompts and --repeats must be >= 1")
+    return demo(args)
 
 
 if __name__ == "__main__":

@@ -412,9 +412,27 @@ def export_pair(run: Path, dest: Path, dtype: str = "float16") -> None:
             shutil.copy(run / name, dest / ("train_" + name if name == "config.json" else name))
     cfg = json.loads((run / "config.json").read_text())
     corpus = json.loads((run / f"data_v{cfg['vocab_size']}_h{cfg['heldout_permille']}" / "corpus.json").read_text())
-    (dest / "heldout_files.json").write_text(
-        json.dumps({k: corpus[k] for k in ("python", "rule", "heldout")}, indent=1)
-    )
+    (dest / "heldout_files.json").write_text(json.dumps({k: corpus[k] for k in ("python", "rule", "heldout")}, indent=1))
+    prompts = heldout_prompts(Path(corpus["root"]), corpus["heldout"])
+    (dest / "prompts.json").write_text(json.dumps(prompts, indent=1))
+
+
+def heldout_prompts(root: Path, files: list[str], n: int = 12, lines: int = 6) -> list[dict]:
+    """Up to ``n`` code prompts from held-out files: in each file (in order) the first ``def``
+    past its first 20 lines, with the ``lines - 1`` lines after it."""
+    prompts = []
+    for rel in files:
+        try:
+            text = (root / rel).read_text(encoding="utf-8").splitlines(keepends=True)
+        except (OSError, UnicodeDecodeError):
+            continue
+        for i in range(20, len(text) - lines):
+            if text[i].lstrip().startswith("def ") and all(t.strip() for t in text[i : i + lines]):
+                prompts.append({"file": rel, "line": i + 1, "text": "".join(text[i : i + lines])})
+                break
+        if len(prompts) == n:
+            break
+    return prompts
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,443 @@
+"""``specfx bench``: specfx against Hugging Face generation, side by side in one process.
+
+Run ``specfx bench --help`` for the flags. Models: the shipped demo pair (default), or local
+paths (``--target PATH --draft PATH``), or a named drafter (``--draft prompt_lookup``,
+``early_exit:N``, ``mtp``: the string is passed to :func:`specfx.speculate` and mapped to HF's
+equivalent). Prompts: the demo pair's held-out code prompts, tokenized with the target's
+tokenizer and left-padded into batches. Methods, all greedy, same prompts, same number of new
+tokens (EOS disabled on both models so every method generates exactly ``--max-new-tokens``):
+
+    hf_dynamic          target.generate()                       (DynamicCache, HF's default; the baseline)
+    hf_static           target.generate(cache_implementation="static")
+    hf_static_compiled  the same plus a CompileConfig, so HF torch.compiles its decode step
+                        (HF auto-compiles only on accelerators; ``_compile_all_devices`` turns it on on CPU)
+    hf_assisted@K       target.generate(assistant_model=draft) with K constant draft tokens a round
+                        (or prompt_lookup_num_tokens=K / assistant_early_exit=N / use_mtp=True);
+                        batch 1 only: HF refuses assisted generation for batch > 1
+    specfx_eager@K      specfx.speculate(target, draft, num_speculative_tokens=K, compile=False)
+    specfx_compiled@K   the same with compile=True
+
+Timing: every method is warmed up once over all batches (graphs compile here, with a
+message), then the repeats are interleaved so drift of the machine hits all methods alike. A
+method's time is the median over repeats of the wall time for all batches; tokens/s = new
+tokens / that time; speedup = hf_dynamic's time / the method's time. Every output is compared
+token for token with hf_dynamic's (greedy fp32 must be equal); the command exits with status 1
+if one differs.
+
+HF assisted generation reads ``num_assistant_tokens``, its schedule and
+``assistant_confidence_threshold`` from the *assistant's* generation_config (passed to
+``target.generate()`` they land in the target's config and are ignored), so K, "constant" and
+threshold 0 are set on the draft's config.
+
+Writes ``--out``/bench.json (config, machine, every time, α/τ/per-position acceptance),
+bench.md (the table) and bench.png (speed vs K, acceptance by position).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+__all__ = ["main", "parse_args", "spinner", "time_method", "acceptance_plot", "hf_assisted_kwargs"]
+
+BASELINE = "hf_dynamic"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="specfx bench", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
+    p.add_argument("--target", default=None, help="local HF model path (default: the shipped demo target)")
+    p.add_argument(
+        "--draft",
+        default=None,
+        help="local HF model path, or a named drafter: prompt_lookup, early_exit:N, mtp\n"
+        "(default: the shipped demo draft, or prompt_lookup when --target is given)",
+    )
+    p.add_argument("--k", default="2,4,8", help="comma-separated K values (default 2,4,8)")
+    p.add_argument("--batch-sizes", default="1", help="comma-separated batch sizes, e.g. 1,4,16 (default 1)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--num-prompts", type=int, default=4, help="prompts per batch size (cycled to fill batches)")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats after the warm-up")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--no-compile", action="store_true", help="skip hf_static_compiled and specfx_compiled")
+    p.add_argument("--skip", default="", help="comma-separated methods to skip (e.g. hf_static,hf_assisted)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: 1 on CPU)")
+    p.add_argument("--out", type=Path, default=Path("bench_results"), help="output directory")
+    args = p.parse_args(argv)
+    try:
+        args.k_values = sorted({int(x) for x in args.k.split(",") if x.strip()})
+        args.batch_values = sorted({int(x) for x in args.batch_sizes.split(",") if x.strip()})
+    except ValueError:
+        p.error(f"--k and --batch-sizes take comma-separated integers, got {args.k!r} and {args.batch_sizes!r}")
+    if not args.k_values or not args.batch_values or min(args.k_values + args.batch_values) < 1:
+        p.error("--k and --batch-sizes need at least one positive integer each")
+    if args.max_new_tokens < 1 or args.num_prompts < 1 or args.repeats < 1:
+        p.error("--max-new-tokens, --num-prompts and --repeats must be >= 1")
+    args.skip_set = {s.strip() for s in args.skip.split(",") if s.strip()}
+    return args
+
+
+# ----------------------------------------------------------------------------- helpers
+def log(msg: str) -> None:
+    from tqdm.auto import tqdm
+
+    tqdm.write(msg, file=sys.stderr)
+
+
+@contextmanager
+def spinner(desc: str):
+    """A progress line that counts elapsed seconds while a long step (a compile) runs."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(desc=desc, total=None, bar_format="{desc}: {elapsed} elapsed", file=sys.stderr, leave=True)
+    stop = threading.Event()
+
+    def tick():
+        while not stop.wait(0.5):
+            bar.refresh()
+
+    thread = threading.Thread(target=tick, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        bar.close()
+
+
+def sync_fn(device: torch.device) -> Callable[[], None]:
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
+def run_batches(fn, batches, sync) -> tuple[float, list[torch.Tensor]]:
+    """Seconds for ``fn`` over every batch, and the outputs (on CPU)."""
+    sync()
+    t0 = time.perf_counter()
+    outs = [fn(b) for b in batches]
+    sync()
+    return time.perf_counter() - t0, [o.cpu() for o in outs]
+
+
+def time_method(fn, batches, repeats: int, sync=lambda: None) -> tuple[float, list[torch.Tensor]]:
+    """Median seconds of ``repeats`` runs over all batches after one warm-up run, and the outputs."""
+    run_batches(fn, batches, sync)
+    times, outs = [], []
+    for _ in range(repeats):
+        dt, outs = run_batches(fn, batches, sync)
+        times.append(dt)
+    return statistics.median(times), outs
+
+
+def hf_assisted_kwargs(draft, k: int) -> dict:
+    """``target.generate()`` kwargs for HF's counterpart of specfx's drafter ``draft``."""
+    if isinstance(draft, str):
+        name, _, arg = draft.partition(":")
+        if name == "prompt_lookup":
+            return {"prompt_lookup_num_tokens": k}
+        if name == "early_exit":
+            return {"assistant_early_exit": int(arg)}
+        if name == "mtp":
+            return {"use_mtp": True}
+        raise ValueError(f"no HF counterpart known for drafter {draft!r}")
+    gc = draft.generation_config  # assisted generation reads these from the assistant's config
+    gc.num_assistant_tokens = k
+    gc.num_assistant_tokens_schedule = "constant"
+    gc.assistant_confidence_threshold = 0.0
+    return {"assistant_model": draft}
+
+
+def hf_compile_config(device: torch.device):
+    from transformers import CompileConfig
+
+    # HF's default mode is "reduce-overhead" (CUDA graphs); there are no CUDA graphs on CPU.
+    cc = CompileConfig(fullgraph=True, dynamic=False, mode="reduce-overhead" if device.type == "cuda" else "default")
+    cc._compile_all_devices = True  # HF auto-compiles only on accelerators unless this is set
+    return cc
+
+
+def first_mismatch(a: torch.Tensor, b: torch.Tensor) -> int | None:
+    """Index of the first differing column of two ``[B, S]`` outputs (None if equal)."""
+    if a.shape == b.shape and torch.equal(a, b):
+        return None
+    n = min(a.shape[1], b.shape[1])
+    diff = (a[:, :n] != b[:, :n]).any(0).nonzero()
+    return int(diff[0]) if diff.numel() else n
+
+
+def acceptance_plot(path: Path, per_position: dict, speeds: dict, speed_title: str, x_label: str = "") -> None:
+    """Two panels: acceptance rate by proposal position (one line per label) and speed bars
+    (``speeds``: label -> tokens/s, or label -> {x: tokens/s} for lines over ``x_label``)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 2, 1)
+    for label, rates in per_position.items():
+        ax.plot(range(1, len(rates) + 1), rates, marker="o", label=label)
+    ax.set(xlabel="proposal position", ylabel="acceptance rate", ylim=(0, 1.02), title="Acceptance by position")
+    ax.set_xticks(range(1, max((len(r) for r in per_position.values()), default=1) + 1))
+    ax.grid(alpha=0.3)
+    if per_position:
+        ax.legend(fontsize=8)
+    ax = fig.add_subplot(1, 2, 2)
+    if speeds and all(isinstance(v, dict) for v in speeds.values()):
+        for label, series in speeds.items():
+            xs = sorted(series)
+            ax.plot(xs, [series[x] for x in xs], marker="o", label=label)
+        ax.set(xlabel=x_label, ylabel="tokens/s")
+        ax.legend(fontsize=8)
+    else:
+        names = list(speeds)
+        ax.barh(names, [speeds[n] for n in names], color="tab:blue")
+        ax.invert_yaxis()
+        ax.set(xlabel="tokens/s")
+    ax.set(title=speed_title)
+    ax.grid(alpha=0.3)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+# ----------------------------------------------------------------------------- models & prompts
+def load_models(args, device, dtype):
+    """(target, draft model or drafter name, tokenizer or None, description)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .models.demo import load_demo_pair
+
+    if args.target is None:
+        target, draft_model, tok = load_demo_pair(device, dtype)
+        desc = "shipped demo pair (specfx/models/demo_pair)"
+    else:
+        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
+        draft_model = None
+        try:
+            tok = AutoTokenizer.from_pretrained(args.target)
+        except (OSError, ValueError):
+            tok = None
+        desc = f"target {args.target}"
+    draft = args.draft
+    if draft is None:
+        draft = draft_model if draft_model is not None else "prompt_lookup"
+    elif Path(draft).exists():
+        draft = AutoModelForCausalLM.from_pretrained(draft, dtype=dtype).to(device).eval()
+    elif ":" not in draft and "/" in draft:
+        raise ValueError(f"--draft {draft!r} is neither an existing local path nor a drafter name.")
+    for m in (target, draft):
+        if not isinstance(m, str):
+            m.generation_config.eos_token_id = None  # every method generates exactly max_new_tokens
+    return target, draft, tok, desc + (f", draft {args.draft}" if args.draft else "")
+
+
+def make_batches(tok, vocab: int, batch: int, num_prompts: int, device) -> list[dict]:
+    """Left-padded batches of held-out code prompts (random ids when there is no tokenizer)."""
+    from .models.demo import demo_prompts
+
+    texts = [p["text"] for p in demo_prompts()]
+    n_batches = max(1, math.ceil(num_prompts / batch))
+    batches = []
+    for j in range(n_batches):
+        rows = [texts[(j * batch + r) % len(texts)] for r in range(batch)]
+        if tok is not None:
+            enc = tok(rows, return_tensors="pt", padding=True, padding_side="left")
+        else:
+            g = torch.Generator().manual_seed(j)
+            ids = torch.randint(3, vocab, (batch, 48), generator=g)
+            enc = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        batches.append({k: v.to(device) for k, v in enc.items() if k in ("input_ids", "attention_mask")})
+    return batches
+
+
+# ----------------------------------------------------------------------------- the run
+def build_methods(args, target, draft, batch: int, device) -> tuple[dict, dict]:
+    import specfx
+
+    n = args.max_new_tokens
+    greedy = dict(max_new_tokens=n, do_sample=False, pad_token_id=target.generation_config.pad_token_id)
+    methods: dict[str, Callable] = {
+        "hf_dynamic": lambda b: target.generate(**b, **greedy),
+        "hf_static": lambda b: target.generate(**b, cache_implementation="static", **greedy),
+    }
+    if not args.no_compile:
+        cc = hf_compile_config(device)
+        methods["hf_static_compiled"] = lambda b: target.generate(
+            **b, cache_implementation="static", compile_config=cc, **greedy
+        )
+    specs = {}
+    for k in args.k_values:
+        if batch == 1:
+            kw = hf_assisted_kwargs(draft, k)
+            methods[f"hf_assisted@{k}"] = lambda b, kw=kw: target.generate(**b, **kw, **greedy)
+        for compiled in (False, True) if not args.no_compile else (False,):
+            name = f"specfx_{'compiled' if compiled else 'eager'}@{k}"
+            spec = specfx.speculate(target, draft=draft, num_speculative_tokens=k, compile=compiled)
+            methods[name] = lambda b, spec=spec: spec.generate(**b, **greedy)
+            specs[name] = spec
+    skip = {m for m in methods if m.split("@")[0] in args.skip_set or m in args.skip_set}
+    return {m: f for m, f in methods.items() if m not in skip}, {m: s for m, s in specs.items() if m not in skip}
+
+
+def bench_batch(args, methods, specs, batches, sync) -> dict:
+    from tqdm.auto import tqdm
+
+    results = {name: {"status": "ok", "times_s": []} for name in methods}
+    outputs: dict[str, list[torch.Tensor]] = {}
+    for name, fn in methods.items():
+        t0 = time.perf_counter()
+        try:
+            if "compiled" in name:
+                with spinner(f"[warm-up] {name}: compiling (tens of seconds on CPU)"):
+                    _, outputs[name] = run_batches(fn, batches, sync)
+            else:
+                _, outputs[name] = run_batches(fn, batches, sync)
+        except Exception as e:  # a peer that does not run here is reported, not fatal
+            results[name] = {"status": "error", "reason": f"{type(e).__name__}: {e}"[:500]}
+            log(f"[warm-up] {name}: not run ({results[name]['reason'][:160]})")
+            continue
+        results[name]["warmup_s"] = time.perf_counter() - t0
+    live = [n for n in methods if results[n]["status"] == "ok"]
+    bar = tqdm(total=args.repeats * len(live), desc="timed repeats", leave=False, file=sys.stderr)
+    for r in range(args.repeats):
+        for name in live:
+            bar.set_postfix_str(f"repeat {r + 1} {name}")
+            dt, outputs[name] = run_batches(methods[name], batches, sync)
+            results[name]["times_s"].append(dt)
+            bar.update(1)
+    bar.close()
+
+    new_tokens = args.max_new_tokens * sum(b["input_ids"].shape[0] for b in batches)
+    base = outputs.get(BASELINE)
+    for name in live:
+        res = results[name]
+        res["median_s"] = statistics.median(res["times_s"])
+        res["tokens_per_s"] = new_tokens / res["median_s"]
+        if base is not None:
+            mism = [first_mismatch(o, b) for o, b in zip(outputs[name], base, strict=True)]
+            res["same_tokens_as_hf_dynamic"] = all(m is None for m in mism)
+            res["first_mismatch_per_batch"] = mism
+        if name in specs:
+            s = specs[name].cumulative_stats  # warm-up and repeats: the same batches each time
+            res["stats"] = dict(
+                acceptance_rate=s.acceptance_rate,
+                tokens_per_round=s.tokens_per_round,
+                per_position_rate=s.per_position_rate,
+                proposed=s.proposed,
+                accepted=s.accepted,
+                rounds=s.rounds,
+            )
+    if BASELINE in live:
+        for name in live:
+            results[name]["speedup_vs_hf_dynamic"] = results[BASELINE]["median_s"] / results[name]["median_s"]
+    return results
+
+
+def markdown_table(runs: dict) -> str:
+    lines = [
+        "| batch | method | tokens/s | vs hf_dynamic | α | τ | same tokens as HF |",
+        "|---:|---|---:|---:|---:|---:|---|",
+    ]
+    for batch, results in runs.items():
+        for name, r in results.items():
+            if r["status"] != "ok":
+                lines.append(f"| {batch} | {name} | not run: {r['reason'][:80]} | | | | |")
+                continue
+            st = r.get("stats")
+            a, t = (f"{st['acceptance_rate']:.3f}", f"{st['tokens_per_round']:.2f}") if st else ("", "")
+            same = {True: "yes", False: "**NO**", None: ""}[r.get("same_tokens_as_hf_dynamic")]
+            lines.append(
+                f"| {batch} | {name} | {r['tokens_per_s']:.1f} | {r.get('speedup_vs_hf_dynamic', float('nan')):.2f}× "
+                f"| {a} | {t} | {same} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    import transformers
+
+    import specfx
+
+    args = parse_args(argv)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    saved_threads = torch.get_num_threads()
+    if args.threads is not None or device.type == "cpu":
+        torch.set_num_threads(args.threads or 1)  # small forwards gain nothing from more threads
+    try:
+        target, draft, tok, desc = load_models(args, device, dtype)
+        sync = sync_fn(device)
+        t_start = time.perf_counter()
+        runs = {}
+        for batch in args.batch_values:
+            log(f"== batch {batch} ==")
+            batches = make_batches(tok, target.config.vocab_size, batch, args.num_prompts, device)
+            methods, specs = build_methods(args, target, draft, batch, device)
+            runs[batch] = bench_batch(args, methods, specs, batches, sync)
+    finally:
+        torch.set_num_threads(saved_threads)
+
+    meta = dict(
+        models=desc,
+        target_params=sum(p.numel() for p in target.parameters()),
+        draft=args.draft or "demo draft",
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        specfx=specfx.__version__,
+        python=platform.python_version(),
+        machine=platform.processor() or platform.machine(),
+        cpu_count=os.cpu_count(),
+        threads=args.threads or (1 if device.type == "cpu" else saved_threads),
+        device=str(device),
+        gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        load_avg_end=os.getloadavg() if hasattr(os, "getloadavg") else None,
+        wall_s=time.perf_counter() - t_start,
+        command="specfx bench " + " ".join(sys.argv[2:] if argv is None else argv),
+    )
+    config = {
+        k: (str(v) if isinstance(v, Path) else sorted(v) if isinstance(v, set) else v) for k, v in vars(args).items()
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench.json").write_text(json.dumps(dict(config=config, meta=meta, runs=runs), indent=2))
+    table = markdown_table(runs)
+    header = (
+        f"{desc}; greedy, {args.dtype}, {args.device}, {args.max_new_tokens} new tokens, "
+        f"torch {meta['torch']}, transformers {meta['transformers']}\n\n`{meta['command']}`\n\n"
+    )
+    (args.out / "bench.md").write_text(header + table)
+
+    # speed vs K at the smallest batch, acceptance by position per K (eager stats)
+    b0 = args.batch_values[0]
+    speeds: dict[str, dict] = {}
+    per_position = {}
+    for name, r in runs[b0].items():
+        if r["status"] != "ok":
+            continue
+        method, _, k = name.partition("@")
+        if k:
+            speeds.setdefault(method, {})[int(k)] = r["tokens_per_s"]
+            if "stats" in r and method == "specfx_eager":
+                per_position[f"K = {k}"] = r["stats"]["per_position_rate"]
+    for name in ("hf_dynamic", "hf_static", "hf_static_compiled"):
+        r = runs[b0].get(name)
+        if r and r["status"] == "ok":
+            speeds[name] = {k: r["tokens_per_s"] for k in args.k_values}
+    acceptance_plot(args.out / "bench.png", per_position, speeds, f"Speed vs K (batch {b0})", x_label="K")
+    print(header + table)
+    print(f"wrote {args.out / 'bench.json'}, {args.out / 'bench.md'}, {args.out / 'bench.png'}")
+    ok = all(r.get("same_tokens_as_hf_dynamic", True) for res in runs.values() for r in res.values())
+    if not ok:
+        print("ERROR: some method's greedy output differs from hf_dynamic's (see bench.json)")
+    return 0 if ok else 1

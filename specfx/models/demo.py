@@ -1,0 +1,50 @@
+"""The shipped demo pair: a small Llama-style target and a much smaller draft trained by
+:mod:`specfx.models.train_pair` on the Python standard library's source (see
+``specfx/models/demo_pair/MODEL_CARD.md``), and code prompts cut from held-out files.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+__all__ = ["DEMO_PAIR_DIR", "load_demo_pair", "demo_prompts"]
+
+DEMO_PAIR_DIR = Path(__file__).parent / "demo_pair"
+
+
+def _check_shipped() -> None:
+    for role in ("target", "draft"):
+        if not (DEMO_PAIR_DIR / role / "config.json").exists():
+            raise FileNotFoundError(
+                f"the demo pair is missing: {DEMO_PAIR_DIR / role} has no config.json. It ships inside the "
+                f"specfx package; reinstall specfx, or train one with `python -m specfx.models.train_pair`."
+            )
+
+
+def load_demo_pair(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    """Load the shipped pair: ``(target, draft, tokenizer)``, both models in eval mode.
+
+    The weights are stored in float16; they are cast to ``dtype`` (float32 by default, the
+    precision in which greedy output is exactly reproducible) and moved to ``device``.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype such as torch.float32, got {dtype!r}.")
+    _check_shipped()
+    models = [
+        AutoModelForCausalLM.from_pretrained(DEMO_PAIR_DIR / role, dtype=dtype).to(device).eval()
+        for role in ("target", "draft")
+    ]
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_PAIR_DIR / "target")
+    return models[0], models[1], tokenizer
+
+
+def demo_prompts() -> list[dict]:
+    """Code prompts cut from held-out stdlib files (never seen in training): a list of
+    ``{"file": relpath, "text": prompt}``, in a fixed order."""
+    _check_shipped()
+    return json.loads((DEMO_PAIR_DIR / "prompts.json").read_text())

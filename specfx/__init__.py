@@ -1,12 +1,13 @@
 """specfx: speculative decoding for any Hugging Face causal LM, one compiled graph per round.
 
 Top-level API: :func:`speculate`, :class:`SpeculativeGenerator`, :class:`SpecConfig`,
-:class:`SpecStats`, :class:`PromptLookup`. Building blocks: :mod:`specfx.passes` (FX passes and the ``specfx``
+:class:`SpecStats`, :class:`PromptLookup`, :class:`EarlyExit`. Building blocks: :mod:`specfx.passes` (FX passes and the ``specfx``
 torch.compile backend), :mod:`specfx.drafters`, :mod:`specfx.sampling`.
 """
 
 from .config import MAX_SPECULATIVE_TOKENS, SpecConfig
 from .drafters import Drafter, DraftModel
+from .early_exit import EarlyExit
 from .generator import SpeculativeGenerator, speculate
 from .prompt_lookup import PromptLookup
 from .stats import SpecStats
@@ -20,6 +21,7 @@ __all__ = [
     "SpecConfig",
     "SpecStats",
     "PromptLookup",
+    "EarlyExit",
     "MAX_SPECULATIVE_TOKENS",
     # building blocks
     "Drafter",

@@ -15,7 +15,7 @@ import torch
 from .runner import ModelRunner
 from .sampling import sample_from
 
-__all__ = ["Drafter", "DraftModel", "DEFAULT_DRAFTERS", "NAMED_DRAFTERS", "VERIFY_COST", "resolve_drafter"]
+__all__ = ["Drafter", "DraftModel", "DEFAULT_DRAFTERS", "NAMED_DRAFTERS", "VERIFY_COST", "draft_token", "resolve_drafter"]
 
 # Cost of verifying one more position, relative to a target forward over one token: the
 # default of Drafter.proposal_cost. Batch-1 decoding reads the weights once whatever the token
@@ -47,6 +47,21 @@ class Drafter:
         """Return proposals ``[B, K]`` and the probabilities ``q [B, K, V]`` each was sampled
         from (None for a deterministic drafter: q is then one-hot on the proposal)."""
         raise NotImplementedError
+
+
+def draft_token(ctx, logits: torch.Tensor, i: int, proposals: list, qs: list) -> torch.Tensor:
+    """Proposal ``i`` of a round from draft ``logits [B, 1, V]``: processed like the target's
+    scores, then sampled (its distribution appended to ``qs``) or argmax; appended to
+    ``proposals`` and returned ``[B, 1]``."""
+    scores = ctx.process(logits, i, proposals)  # [B, 1, V]
+    if ctx.do_sample:
+        probs = scores.softmax(dim=-1)
+        token = sample_from(probs, ctx.uniform(1 + i, probs.shape))  # [B, 1]
+        qs.append(probs)
+    else:
+        token = scores.argmax(dim=-1)  # [B, 1]
+    proposals.append(token)
+    return token
 
 
 class DraftModel(Drafter):
@@ -99,14 +114,7 @@ class DraftModel(Drafter):
         proposals: list[torch.Tensor] = []
         qs: list[torch.Tensor] = []
         for i in range(ctx.k):
-            scores = ctx.process(logits, i, proposals)  # [B, 1, V]
-            if ctx.do_sample:
-                probs = scores.softmax(dim=-1)
-                token = sample_from(probs, ctx.uniform(1 + i, probs.shape))  # [B, 1]
-                qs.append(probs)
-            else:
-                token = scores.argmax(dim=-1)  # [B, 1]
-            proposals.append(token)
+            token = draft_token(ctx, logits, i, proposals, qs)  # [B, 1]
             if i + 1 < ctx.k:
                 p = (lengths + 1 + i).unsqueeze(1)  # [B, 1]
                 logits = self.runner.forward(token, p, p)

@@ -1,0 +1,193 @@
+"""Early-exit self-speculation: the target's first N layers draft for the whole target.
+
+The drafter is a graph, not a model object: :func:`capture_early_exit` captures the target's
+forward through its :class:`~specfx.runner.ModelRunner` (static ``SlotCache``, explicit mask and
+positions) with Dynamo, and the :func:`specfx.passes.early_exit.early_exit` pass cuts it after
+layer N - 1, feeding layer N - 1's output to the final norm and the LM head. The cut graph's
+inputs are bound to the target's own tensors, so:
+
+- **weights are shared**: every parameter the drafter uses *is* a target parameter (no copy, no
+  new parameter memory);
+- **KV is shared** (LayerSkip-style): the drafter's layers 0..N-1 are the target's layers
+  0..N-1, so their KV lives in the target's own cache layers 0..N-1, at the same slots. The
+  drafter has no cache and no prefill of its own: the target's prefill and verifications
+  write every committed position of those layers, and each draft step writes its proposal's
+  entry into them at slot == position.
+
+What is recomputed: the verification forward runs all L layers on all K + 1 tokens, so for
+layers < N it rewrites the K entries the draft steps wrote (slots L..L+K-1 for pending
+position L) from the same inputs. Skipping that recomputation (starting verification at
+layer N from the draft's hidden states) is *not* done: a draft step computes one token at a
+time and verification K + 1 at once, which are not bitwise equal in general, and the target's
+cache must hold the target's own values for greedy output to equal ``model.generate()``
+exactly. Correctness is unaffected by the draft's writes: verification overwrites every slot
+the draft wrote before any query reads it, and the mask hides rejected slots afterwards.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import fx, nn
+
+from .drafters import NAMED_DRAFTERS, VERIFY_COST, Drafter, draft_token
+from .passes.early_exit import early_exit
+from .runner import ModelRunner
+
+__all__ = ["EarlyExit", "ExitGraph", "capture_early_exit", "decoder_layer_names"]
+
+
+def decoder_layer_names(model: nn.Module) -> list[str]:
+    """Qualified names of ``model``'s decoder layers, in order (``model.layers.0``, ... or
+    ``transformer.h.0``, ...): the children of the ``ModuleList`` holding
+    ``config.num_hidden_layers`` blocks of one class."""
+    n = model.config.get_text_config().num_hidden_layers
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) == n and n > 0:
+            if len({type(m) for m in module}) == 1:
+                return [f"{name}.{i}" for i in range(n)]
+    raise ValueError(
+        f"{type(model).__name__}: no ModuleList of config.num_hidden_layers = {n} decoder layers of "
+        f"one class was found, so the layer boundary for an early exit is unknown."
+    )
+
+
+class ExitGraph:
+    """The cut graph and what its inputs are bound to: calling it with ``ids``, ``positions``
+    and ``slots`` (``[B, T]``) runs layers 0..N-1, the final norm and the LM head, writes KV of
+    layers 0..N-1 into the target's cache at ``slots``, and returns logits ``[B, T, V]``."""
+
+    def __init__(self, gm: fx.GraphModule, inputs: list, removed: int):
+        self.gm = gm
+        self.inputs = inputs  # per placeholder: "ids" | "positions" | "slots" | a bound target tensor
+        self.removed = removed  # nodes the cut removed
+
+    @property
+    def bound(self) -> list[torch.Tensor]:
+        return [x for x in self.inputs if not isinstance(x, str)]
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        given = {"ids": ids, "positions": positions, "slots": slots}
+        out = self.gm(*[given[x] if isinstance(x, str) else x for x in self.inputs])
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _fresh_code(fn):
+    # Dynamo caches per code object: a private copy makes every capture trace anew.
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+def capture_early_exit(runner: ModelRunner, exit_layer: int, batch_size: int, tokens: int = 1) -> ExitGraph:
+    """Capture ``runner.forward`` for ``[batch_size, tokens]`` inputs and cut it after
+    ``exit_layer`` layers. The runner's cache must be allocated; the capture writes only its
+    trash slot."""
+    captured = []
+
+    def backend(gm, example_inputs):
+        captured.append((gm, list(example_inputs)))
+        return gm.forward
+
+    def forward(ids, positions, slots):
+        return runner.forward(ids, positions, slots)
+
+    device = runner.device
+    ids = torch.zeros((batch_size, tokens), dtype=torch.long, device=device)
+    positions = torch.zeros_like(ids)
+    slots = torch.full_like(ids, runner.cache.trash_slot)
+    with torch.no_grad():
+        torch.compile(_fresh_code(forward), backend=backend, fullgraph=True, dynamic=False)(ids, positions, slots)
+    (gm, example_inputs), = captured
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    dynamic = {id(ids): "ids", id(positions): "positions", id(slots): "slots"}
+    binding = {p.name: dynamic.get(id(x), x) for p, x in zip(placeholders, example_inputs, strict=True)}
+    removed = early_exit(gm, layer_names=decoder_layer_names(runner.model), exit_layer=exit_layer)
+    inputs = [binding[n.name] for n in gm.graph.nodes if n.op == "placeholder"]
+    # A plain GraphModule (Dynamo hands out lazily recompiled ones, which it will not inline
+    # when the round graph calls this one).
+    return ExitGraph(fx.GraphModule(gm, gm.graph), inputs, removed)
+
+
+def _check_layer(layer, num_layers: int | None = None) -> int:
+    upper = "num_hidden_layers - 1" if num_layers is None else str(num_layers - 1)
+    if isinstance(layer, bool) or not isinstance(layer, int):
+        raise TypeError(
+            f"early exit layer must be an int N, the number of the target's decoder layers the "
+            f"drafter keeps (1 <= N <= {upper}), got {layer!r}."
+        )
+    if layer < 1 or (num_layers is not None and layer >= num_layers):
+        what = "" if num_layers is None else f" (the target has {num_layers} layers)"
+        raise ValueError(
+            f"early exit layer must be in [1, {upper}]{what}, got {layer}: the drafter keeps the "
+            f"target's first N layers, so N = 0 keeps nothing and N >= num_hidden_layers is the "
+            f"target itself."
+        )
+    return layer
+
+
+class EarlyExit(Drafter):
+    """Self-speculation by early exit: the target's first ``layer`` decoder layers, followed by
+    its final norm and LM head, propose K tokens; ``draft="early_exit:N"`` or
+    ``draft=specfx.EarlyExit(layer=N)``.
+
+    Built from the target's captured graph by a graph pass (no per-architecture code), sharing
+    the target's weights and, for layers < N, its KV cache (see the module docstring for what is
+    shared and what verification recomputes). ``q`` is the draft's processed distribution, so
+    sampling stays lossless; greedy output equals the target's.
+    """
+
+    name = "early_exit"
+
+    def __init__(self, layer: int):
+        self.layer = _check_layer(layer)
+        self.target: ModelRunner | None = None
+        self.graph: ExitGraph | None = None
+
+    def __repr__(self) -> str:
+        return f"EarlyExit(layer={self.layer})"
+
+    def bind(self, target: ModelRunner) -> None:
+        _check_layer(self.layer, target.num_layers)
+        decoder_layer_names(target.model)  # fail at speculate() time if the layers cannot be found
+        self.target = target
+
+    def allocate(self, batch_size: int, capacity: int) -> None:
+        # The target's cache was just (re)allocated: capture against its new buffers.
+        self.graph = capture_early_exit(self.target, self.layer, batch_size)
+
+    def prefill(self, ids, positions, slots) -> None:
+        """Nothing to do: the draft's KV for layers < N is the target's, filled by its prefill."""
+
+    def proposal_cost(self, target: ModelRunner) -> float:
+        return VERIFY_COST + self.layer / target.num_layers
+
+    def propose(self, ctx):
+        pos = ctx.lengths.unsqueeze(1)  # [B, 1], the pending token's position
+        token = ctx.tokens.gather(1, pos)  # [B, 1]
+        proposals: list[torch.Tensor] = []
+        qs: list[torch.Tensor] = []
+        for i in range(ctx.k):
+            logits = self.graph(token, pos, pos)  # [B, 1, V]; KV of layers < N written at slot pos
+            token = draft_token(ctx, logits, i, proposals, qs)  # [B, 1]
+            pos = pos + 1
+        q = torch.cat(qs, dim=1) if ctx.do_sample else None
+        return torch.cat(proposals, dim=1), q
+
+
+def _from_name(arg: str | None) -> EarlyExit:
+    if arg is None:
+        raise ValueError(
+            "draft='early_exit' needs the exit layer: draft='early_exit:N' keeps the target's first N "
+            "decoder layers (1 <= N <= num_hidden_layers - 1), e.g. 'early_exit:4'."
+        )
+    try:
+        layer = int(arg)
+    except ValueError:
+        raise ValueError(
+            f"draft='early_exit:{arg}': the exit layer must be an integer N (1 <= N <= num_hidden_layers - 1), "
+            f"e.g. 'early_exit:4'."
+        ) from None
+    return EarlyExit(layer=layer)
+
+
+NAMED_DRAFTERS["early_exit"] = _from_name

@@ -1,0 +1,148 @@
+"""Early-exit self-speculation (``draft="early_exit:N"`` / ``specfx.EarlyExit``): greedy
+equality with ``model.generate()``, lossless sampling, shared weights and KV, bad input.
+Eager rounds except one compiled test."""
+
+import pytest
+import torch
+from transformers import LogitsProcessorList
+
+import specfx
+from specfx.models.tiny import tiny_causal_lm
+from tests.conftest import ARCHS, prompt
+from tests.test_lossless import NEW, ROWS, _chisquare, _exact, _models
+
+_models_cache = {}
+
+
+def _target(arch, layers=3):
+    key = (arch, layers)
+    if key not in _models_cache:
+        _models_cache[key] = tiny_causal_lm(arch, num_layers=layers, seed=11)
+    return _models_cache[key]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("layer", [1, 2])
+def test_greedy_equals_generate(arch, layer, one_thread):
+    target = _target(arch)
+    spec = specfx.speculate(target, draft=f"early_exit:{layer}", num_speculative_tokens=3, compile=False)
+    assert spec.drafter.name == "early_exit" and spec.drafter.layer == layer
+    for length, new in [(1, 9), (7, 23), (20, 41)]:
+        ids = prompt(length, seed=length)
+        assert torch.equal(spec.generate(ids, max_new_tokens=new), target.generate(ids, max_new_tokens=new))
+    assert spec.stats.proposed > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_left_padded_batch_matches_batched_generate(arch, one_thread):
+    target = _target(arch)
+    spec = specfx.speculate(target, draft=specfx.EarlyExit(layer=2), num_speculative_tokens=4, compile=False)
+    ids = prompt(10, batch=3, seed=4)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    mask[2, :7] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    kw = dict(attention_mask=mask, max_new_tokens=17, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(spec.generate(ids, **kw), target.generate(ids, **kw))
+    assert len(spec.stats.per_row_accepted) == 3
+
+
+def test_self_draft_of_identical_layers_is_always_accepted(one_thread):
+    """A model whose later layers add nothing (zeroed output projections, so each of those
+    blocks is the identity on the residual stream) has an exit after layer 1 that equals the
+    whole model: every proposal must be accepted. Built on a copy; the cut is what is tested."""
+    target = tiny_causal_lm("llama", num_layers=3, seed=2)
+    with torch.no_grad():
+        for block in target.model.layers[1:]:
+            block.self_attn.o_proj.weight.zero_()
+            block.mlp.down_proj.weight.zero_()
+    spec = specfx.speculate(target, draft="early_exit:1", num_speculative_tokens=4, compile=False)
+    ids = prompt(6, seed=3)
+    assert torch.equal(spec.generate(ids, max_new_tokens=20), target.generate(ids, max_new_tokens=20))
+    assert spec.stats.acceptance_rate == 1.0
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_sampling_matches_exact_distribution(k, one_thread):
+    target, _ = _models()  # 2 layers, vocabulary 6: exit after layer 1
+    prompt_ids = [1, 4, 2]
+    probs = _exact(target, prompt_ids, LogitsProcessorList())
+    spec = specfx.speculate(target, draft="early_exit:1", num_speculative_tokens=k, compile=False)
+    torch.manual_seed(4321)
+    out = spec.generate(torch.tensor([prompt_ids]).repeat(ROWS, 1), do_sample=True, max_new_tokens=NEW, pad_token_id=0)
+    assert 0.05 < spec.stats.acceptance_rate < 0.95  # accept and correction paths both exercised
+    assert _chisquare(out[:, len(prompt_ids) :].tolist(), probs) > 1e-3
+
+
+def test_no_parameter_memory_added_and_kv_shared(one_thread):
+    target = tiny_causal_lm("llama", num_layers=3, seed=6)
+    params = {id(p): (p.data_ptr(), p.nbytes) for p in target.parameters()}
+    param_bytes = sum(n for _, n in params.values())
+    spec = specfx.speculate(target, draft="early_exit:2", num_speculative_tokens=3, compile=False)
+    ids = prompt(5, seed=9)
+    assert torch.equal(spec.generate(ids, max_new_tokens=12), target.generate(ids, max_new_tokens=12))
+
+    # the target's parameters are the same objects and storage as before
+    assert {id(p): (p.data_ptr(), p.nbytes) for p in target.parameters()} == params
+    graph = spec.drafter.graph
+    cache = spec.target_runner.cache
+    kv = {id(t): (i, name) for i, layer in enumerate(cache.layers) for name, t in (("k", layer.keys), ("v", layer.values))}
+    owned = {id(t) for t in list(target.parameters()) + list(target.buffers())}
+    used_params = [x for x in graph.bound if id(x) in params]
+    assert used_params and sum(x.nbytes for x in used_params) <= param_bytes
+    # every bound tensor is a target parameter/buffer, a target cache buffer of a layer < N, or
+    # the cache's row index; nothing the drafter allocated itself
+    for x in graph.bound:
+        if id(x) in kv:
+            assert kv[id(x)][0] < 2
+        else:
+            assert id(x) in owned or x is cache.rows, f"unexpected tensor {tuple(x.shape)} in the draft graph"
+    assert sorted(v for k, v in kv.items() if any(id(x) == k for x in graph.bound)) == [(0, "k"), (0, "v"), (1, "k"), (1, "v")]
+    # the cut graph module owns no tensors of its own beyond scalars
+    own = [t for t in list(graph.gm.parameters()) + list(graph.gm.buffers())]
+    own += [v for v in vars(graph.gm).values() if isinstance(v, torch.Tensor)]
+    assert sum(t.numel() for t in own) <= 16
+
+
+@pytest.mark.parametrize(
+    ("draft", "error", "match"),
+    [
+        ("early_exit", ValueError, r"needs the exit layer: draft='early_exit:N'"),
+        ("early_exit:two", ValueError, r"must be an integer N"),
+        ("early_exit:0", ValueError, r"must be in \[1, num_hidden_layers - 1\], got 0"),
+        ("early_exit:3", ValueError, r"must be in \[1, 2\] \(the target has 3 layers\), got 3"),
+        ("early_exit:7", ValueError, r"must be in \[1, 2\] \(the target has 3 layers\), got 7"),
+    ],
+)
+def test_bad_exit_layer_is_a_clear_error(draft, error, match):
+    target = _target("llama")
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(error, match=match):
+        specfx.speculate(target, draft=draft, compile=False)
+    assert all(torch.equal(v, target.state_dict()[k]) for k, v in before.items())
+    assert target.config.num_hidden_layers == 3
+
+
+def test_early_exit_constructor_type_errors():
+    with pytest.raises(TypeError, match="must be an int N"):
+        specfx.EarlyExit(layer="2")
+    with pytest.raises(TypeError, match="must be an int N"):
+        specfx.EarlyExit(layer=True)
+    with pytest.raises(ValueError, match="got -1"):
+        specfx.EarlyExit(layer=-1)
+
+
+@pytest.mark.compiled
+def test_compiled_greedy_equals_generate_and_stays_warm(one_thread):
+    target = tiny_causal_lm("llama", num_layers=2, seed=11)
+    spec = specfx.speculate(target, draft="early_exit:1", num_speculative_tokens=2, compile=True)
+    ids = prompt(8, batch=2, seed=1)
+    assert torch.equal(spec.generate(ids, max_new_tokens=12), target.generate(ids, max_new_tokens=12))
+    graphs = len(spec.graphs)
+    assert graphs == 2  # one prefill graph, one round graph (fullgraph: no breaks)
+    round_graph = max(spec.graphs, key=lambda g: g.nodes)
+    # KV writes: 2 draft steps x 1 layer + verify x 2 layers, keys and values
+    assert dict(round_graph.report.sites)["check_static_kv"] == 2 * (2 * 1 + 2)
+    ids = prompt(5, batch=2, seed=2)
+    assert torch.equal(spec.generate(ids, max_new_tokens=9), target.generate(ids, max_new_tokens=9))
+    assert len(spec.graphs) == graphs  # warm: nothing recompiled

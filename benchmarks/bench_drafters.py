@@ -1,0 +1,328 @@
+"""Drafter benchmark: specfx prompt lookup against HF prompt lookup and HF greedy, fixed K vs auto.
+
+Run ``python benchmarks/bench_drafters.py --help`` for the flags. One run measures, on the same
+prompts (batch 1, one after another), the same number of new tokens, greedy, fp32:
+
+    hf_dynamic       target.generate()                                     (the baseline, 1.00x)
+    hf_lookup_k{K}   target.generate(prompt_lookup_num_tokens=K, max_matching_ngram_size=N)
+    specfx_k{K}      specfx.speculate(target, draft=PromptLookup(max_ngram=N), num_speculative_tokens=K)
+    specfx_auto      the same with num_speculative_tokens="auto" (K per round among --auto-values)
+
+specfx generators are compiled (backend "specfx": passes + Inductor) unless ``--no-compile``.
+
+Task: input-grounded code from the Python standard library (offline). Functions of 150-400
+tokens are cut from the files the demo pair holds out of training (the path-hash rule of
+``specfx.models.train_pair``), in a fixed order:
+
+    edit      the function, a blank line, then its first line again with the function renamed
+              (``name`` -> ``name_v2``): a model that copies from its context continues with
+              the body, i.e. the output repeats a span of the prompt
+    complete  the function's first 3 lines only: the continuation is new code (little to copy)
+
+Timing and checks are those of ``bench_core.py`` (same helpers): warm-up over all prompts
+(graphs compile there; every K of "auto" is compiled then too), then interleaved timed
+repeats, medians; tokens/s = prompts x new tokens / time; every output is compared token for
+token with hf_dynamic's and the script exits with status 1 if one differs. EOS is disabled so
+every method generates exactly ``--max-new-tokens``.
+
+Acceptance, from an untimed pass over the same prompts:
+    specfx  α = accepted / proposed, τ = emitted / rounds (``spec.stats``; the first token,
+            from prefill, is not in a round). A row without a match still proposes K tokens.
+    HF      counted with a forward pre-hook on the target: every target forward is one round
+            (the first also prefills); proposals = tokens fed beyond the one pending token;
+            accepted = new tokens - forwards; τ = new tokens / forwards. HF proposes nothing
+            when there is no match, so its α counts only rounds with a match.
+    fwd/tok target forwards per new token, for every method (prefill included): the cost of
+            verification, comparable across methods.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import json
+import os
+import platform
+import random
+import sys
+import sysconfig
+import textwrap
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+import transformers
+from bench_core import BASELINE, bench_end_to_end, cpu_name, log, n_params
+
+import specfx
+from specfx.models.tiny import tiny_causal_lm
+
+DEMO_TARGET = Path(specfx.__file__).parent / "models" / "demo_pair" / "target"
+HELDOUT_PERMILLE = 50  # specfx.models.train_pair's default split
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument(
+        "--target",
+        default=str(DEMO_TARGET) if (DEMO_TARGET / "config.json").exists() else "random",
+        help="a causal LM directory (from_pretrained; its tokenizer is used) or 'random' (a random\n"
+        "6-layer llama over UTF-8 bytes: nothing copies, so α is meaningless; default: the demo\n"
+        "pair's target when present)",
+    )
+    p.add_argument("--tasks", nargs="+", default=["edit", "complete"], choices=("edit", "complete"))
+    p.add_argument("--num-prompts", type=int, default=6, help="prompts per task, each run at batch 1")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8], help="fixed K values (specfx and HF)")
+    p.add_argument("--auto-values", type=int, nargs="+", default=[1, 2, 4, 8], help="auto_k_values of specfx_auto")
+    p.add_argument("--max-ngram", type=int, default=3, help="PromptLookup max_ngram = HF max_matching_ngram_size")
+    p.add_argument("--no-compile", action="store_true", help="run the specfx generators eagerly (a quick check)")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats after the warm-up")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--seed", type=int, default=0, help="which functions are picked")
+    p.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "drafters.json")
+    return p.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------- prompts
+def heldout_files() -> list[Path]:
+    """Stdlib files held out of the demo pair's training (sorted), by its path-hash rule."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if "site-packages" in rel:
+            continue
+        if int(hashlib.sha256(rel.encode()).hexdigest()[:8], 16) < HELDOUT_PERMILLE * 16**8 // 1000:
+            out.append(path)
+    return out
+
+
+def functions(encode, min_tokens: int, max_tokens: int) -> list[tuple[str, str, str]]:
+    """(file, function name, dedented source) of every function of min..max tokens."""
+    found = []
+    for path in heldout_files():
+        try:
+            text = path.read_text(encoding="utf-8")
+            tree = ast.parse(text)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        lines = text.splitlines()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and not node.decorator_list:
+                src = textwrap.dedent("\n".join(lines[node.lineno - 1 : node.end_lineno]))
+                if "\t" not in src and min_tokens <= len(encode(src)) <= max_tokens:
+                    found.append((path.name, node.name, src))
+    return found
+
+
+def task_prompt(task: str, name: str, src: str) -> str:
+    if task == "edit":
+        first = src.splitlines()[0].replace(f"def {name}(", f"def {name}_v2(", 1)
+        return f"{src}\n\n\n{first}\n"
+    return "\n".join(src.splitlines()[:3]) + "\n"
+
+
+# ----------------------------------------------------------------------------- models
+def load_target(spec: str):
+    """(target, encode, description)."""
+    if spec == "random":
+        target = tiny_causal_lm(
+            "llama", vocab_size=512, num_layers=6, hidden_size=256, intermediate_size=704, max_positions=2048
+        )
+        return target, lambda s: list(s.encode("utf-8")), "random 6-layer llama over UTF-8 bytes (α meaningless)"
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(spec)
+    return target, lambda s: tok(s, add_special_tokens=False)["input_ids"], f"{spec} (trained)"
+
+
+class ForwardCounter:
+    """Counts a model's forwards and the tokens fed to each (for HF's acceptance)."""
+
+    def __init__(self, model):
+        self.lengths: list[int] = []
+        self.handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self.lengths.append(int(ids.shape[1]))
+
+    def close(self):
+        self.handle.remove()
+
+
+def acceptance(args, methods, specs, target, prompts) -> dict:
+    """α, τ and forwards per new token of every method, from one untimed pass."""
+    out = {}
+    n = args.max_new_tokens
+    for name, fn in methods.items():
+        if name in specs:
+            spec = specs[name]
+            tot, hist = Counter(), Counter()
+            for p in prompts:
+                fn(p)
+                s = spec.stats
+                tot.update(dict(proposed=s.proposed, accepted=s.accepted, emitted=s.emitted, rounds=s.rounds))
+                if spec.auto_k is not None:
+                    hist.update(spec.auto_k.history)
+            out[name] = dict(
+                alpha=tot["accepted"] / max(tot["proposed"], 1),
+                tau=tot["emitted"] / max(tot["rounds"], 1),
+                forwards_per_token=(tot["rounds"] + len(prompts)) / (n * len(prompts)),
+                k_histogram=dict(sorted(hist.items())) or None,
+            )
+        else:
+            counter = ForwardCounter(target)
+            proposed = forwards = 0
+            try:
+                for p in prompts:
+                    counter.lengths.clear()
+                    fn(p)
+                    lens = counter.lengths
+                    forwards += len(lens)
+                    proposed += (lens[0] - p.shape[1]) + sum(x - 1 for x in lens[1:])
+            finally:
+                counter.close()
+            accepted = n * len(prompts) - forwards
+            out[name] = dict(
+                alpha=accepted / proposed if proposed else None,
+                tau=n * len(prompts) / forwards,
+                forwards_per_token=forwards / (n * len(prompts)),
+                k_histogram=None,
+            )
+    return out
+
+
+def build_methods(args, target, bucket: int):
+    n, common = args.max_new_tokens, dict(max_new_tokens=args.max_new_tokens, do_sample=False)
+    methods = {BASELINE: lambda ids: target.generate(ids, attention_mask=torch.ones_like(ids), **common)}
+    for k in args.ks:
+        methods[f"hf_lookup_k{k}"] = lambda ids, k=k: target.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            prompt_lookup_num_tokens=k,
+            max_matching_ngram_size=args.max_ngram,
+            **common,
+        )
+    drafter = specfx.PromptLookup(max_ngram=args.max_ngram)
+    options = dict(prefill_buckets=(bucket,), compile=not args.no_compile)
+    specs = {}
+    for k in args.ks:
+        specs[f"specfx_k{k}"] = specfx.speculate(target, draft=drafter, num_speculative_tokens=k, **options)
+    specs["specfx_auto"] = specfx.speculate(
+        target, draft=drafter, num_speculative_tokens="auto", auto_k_values=tuple(args.auto_values), **options
+    )
+    for name, spec in specs.items():
+        methods[name] = lambda ids, spec=spec: spec.generate(ids, max_new_tokens=n)
+    return methods, specs
+
+
+def compile_every_k(specs) -> None:
+    """Compile the round graph of every K of the auto generators now, not in a timed run.
+    A round after a finished call is safe: it does the same work with its writes masked."""
+    for spec in specs.values():
+        if spec.auto_k is not None and spec.spec_config.compile:
+            for fn in spec._round_fns.values():
+                fn()
+
+
+# ----------------------------------------------------------------------------- report
+def print_task(task: str, results: dict, acc: dict, ks) -> None:
+    print(f"\n## task: {task}\n")
+    print("| method | tokens/s | vs HF greedy | vs HF lookup (same K) | τ | α | fwd/tok | K used (auto) | same tokens |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, res in results.items():
+        if res["status"] != "ok":
+            print(f"| {name} | failed: {res['reason'][:80]} | | | | | | | |")
+            continue
+        a = acc[name]
+        k = name.rsplit("_k", 1)[-1] if "_k" in name else None
+        peer = results.get(f"hf_lookup_k{k}") if k and not name.startswith("hf_") else None
+        vs_peer = f"{peer['median_s'] / res['median_s']:.2f}x" if peer and peer["status"] == "ok" else ""
+        alpha = f"{a['alpha']:.2f}" if a["alpha"] is not None else "-"
+        hist = ", ".join(f"{kk}:{c}" for kk, c in a["k_histogram"].items()) if a["k_histogram"] else ""
+        print(
+            f"| {name} | {res['tokens_per_s']:.1f} | {res.get('speedup_vs_hf_dynamic', float('nan')):.2f}x | "
+            f"{vs_peer} | {a['tau']:.2f} | {alpha} | {a['forwards_per_token']:.2f} | {hist} | "
+            f"{'yes' if res['same_tokens_as_hf_dynamic'] else 'NO'} |"
+        )
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    t_start = time.perf_counter()
+    load_start = os.getloadavg()
+    target, encode, desc = load_target(args.target)
+    target.generation_config.eos_token_id = None  # every method generates exactly max_new_tokens
+    if target.generation_config.pad_token_id is None:
+        target.generation_config.pad_token_id = 0
+
+    pool = functions(encode, 150, 400)
+    random.Random(args.seed).shuffle(pool)
+    picked = pool[: args.num_prompts]
+    prompts = {
+        task: [torch.tensor([encode(task_prompt(task, name, src))]) for _, name, src in picked] for task in args.tasks
+    }
+    longest = max(p.shape[1] for ps in prompts.values() for p in ps)
+    bucket = -(-longest // 64) * 64
+    log(f"target: {desc}; {len(pool)} functions in held-out stdlib files, using {[f'{f}:{n}' for f, n, _ in picked]}")
+    log(f"prompt lengths: { {t: [p.shape[1] for p in ps] for t, ps in prompts.items()} } tokens; prefill bucket {bucket}")
+
+    methods, specs = build_methods(args, target, bucket)
+    report = {}
+    failed = False
+    for task, ps in prompts.items():
+        log(f"[{task}] warm-up and {args.repeats} timed repeats of {len(methods)} methods ...")
+        graphs = {}
+
+        def after_warmup(graphs=graphs):
+            compile_every_k(specs)
+            graphs.update({n: len(s.graphs) for n, s in specs.items()})
+
+        results = bench_end_to_end(args, methods, ps, after_warmup=after_warmup)
+        recompiled = {n: len(s.graphs) - graphs[n] for n, s in specs.items() if len(s.graphs) != graphs[n]}
+        acc = acceptance(args, {n: m for n, m in methods.items() if results[n]["status"] == "ok"}, specs, target, ps)
+        print_task(task, results, acc, args.ks)
+        if recompiled:
+            print(f"graphs compiled during the timed runs (should be none): {recompiled}")
+        failed |= any(r["status"] == "ok" and not r["same_tokens_as_hf_dynamic"] for r in results.values())
+        report[task] = dict(results=results, acceptance=acc, graphs_compiled_during_timing=recompiled)
+
+    meta = dict(
+        target=desc,
+        target_params=n_params(target),
+        functions=[f"{f}:{n}" for f, n, _ in picked],
+        prompt_lengths={t: [p.shape[1] for p in ps] for t, ps in prompts.items()},
+        max_new_tokens=args.max_new_tokens,
+        max_ngram=args.max_ngram,
+        auto_values=args.auto_values,
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        specfx=specfx.__version__,
+        python=platform.python_version(),
+        cpu=cpu_name(),
+        cpu_count=os.cpu_count(),
+        threads=torch.get_num_threads(),
+        load_avg_start=load_start,
+        load_avg_end=os.getloadavg(),
+        wall_s=time.perf_counter() - t_start,
+        command=" ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+    )
+    print(f"\ntarget: {desc}, {meta['target_params'] / 1e6:.2f} M parameters; {meta['cpu']}, {meta['threads']} thread(s)")
+    print(f"total {meta['wall_s']:.0f} s; load average {load_start[0]:.2f} at start, {meta['load_avg_end'][0]:.2f} at end")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(dict(meta=meta, tasks=report), indent=1, default=str))
+    print(f"wrote {args.json}")
+    if failed:
+        print("ERROR: some method's tokens differ from HF greedy", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

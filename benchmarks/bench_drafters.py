@@ -301,20 +301,15 @@ def main(argv=None) -> int:
         max_new_tokens=args.max_new_tokens,
         max_ngram=args.max_ngram,
         auto_values=args.auto_values,
-        torch=torch.__version__,
-        transformers=transformers.__version__,
-        specfx=specfx.__version__,
-        python=platform.python_version(),
-        cpu=cpu_name(),
-        cpu_count=os.cpu_count(),
-        threads=torch.get_num_threads(),
-        load_avg_start=load_start,
-        load_avg_end=os.getloadavg(),
+        versions={m.__name__: m.__version__ for m in (torch, transformers, specfx)} | {"python": platform.python_version()},
+        machine=dict(cpu=cpu_name(), cpus=os.cpu_count(), threads=torch.get_num_threads()),
+        load_avg=dict(start=load_start, end=os.getloadavg()),
         wall_s=time.perf_counter() - t_start,
         command=" ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
     )
-    print(f"\ntarget: {desc}, {meta['target_params'] / 1e6:.2f} M parameters; {meta['cpu']}, {meta['threads']} thread(s)")
-    print(f"total {meta['wall_s']:.0f} s; load average {load_start[0]:.2f} at start, {meta['load_avg_end'][0]:.2f} at end")
+    m = meta["machine"]
+    print(f"\ntarget: {desc}, {meta['target_params'] / 1e6:.2f} M parameters; {m['cpu']}, {m['threads']} thread(s)")
+    print(f"total {meta['wall_s']:.0f} s; load average {load_start[0]:.2f} at start, {meta['load_avg']['end'][0]:.2f} at end")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(dict(meta=meta, tasks=report), indent=1, default=str))
     print(f"wrote {args.json}")

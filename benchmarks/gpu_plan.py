@@ -1,0 +1,173 @@
+"""Plan of the GPU benchmark (bench_gpu.py): model shapes, which methods run where, and a
+prediction of the runtime, so that a run can be sized to the 10-minute limit of one command
+on the lent GPU before any device time is spent (``bench_gpu.py --dry-run``).
+
+The prediction is a sum over the steps of each (pair, batch, context) combination:
+
+    compile   graph_s + layer_s x decoder-layer instances in the graph (Inductor compile time
+              grows with the graph; a round unrolls K draft forwards and the verification)
+    per call  prefill (2 x params x tokens / flops) + new tokens x step time, where a step is
+              max(eager launch time, bandwidth floor) for HF's eager loops and
+              floor / efficiency (+ host time per round) for compiled ones
+
+with the constants in :data:`ASSUMED`. They are guesses until calibrated by a GPU run, whose
+JSON records each method's measured warm-up and call times next to the prediction.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from benchmarks.bench_core import log
+from benchmarks.floor import forward_bytes, meta_model
+from benchmarks.oracle import expected_acceptance
+
+__all__ = ["SHAPES", "PAIRS", "METHODS", "ASSUMED", "llama_config", "build_model", "plan", "method_rows", "Predictor", "print_plan"]
+
+# Llama-3-like shapes (vocab 128256). 8B is untied like Llama-3.1-8B; the small ones tie the
+# LM head to the embedding like Llama-3.2-1B. The tiny ones are for --smoke.
+SHAPES = {
+    "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False),
+    "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True),
+    "150m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                 intermediate_size=2048, vocab_size=128256, tie_word_embeddings=True),
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, vocab_size=256, tie_word_embeddings=False),
+    "tiny1": dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=128, vocab_size=256, tie_word_embeddings=False),
+}  # fmt: skip
+PAIRS = {"8b-1b": ("8b", "1b"), "1b-150m": ("1b", "150m"), "tiny": ("tiny", "tiny1")}
+METHODS = ("hf_dynamic", "hf_static_compiled", "hf_assisted", "specfx_draft", "specfx_oracle", "specfx_self")
+
+# Rough costs for predicting a run (--dry-run, the budget guard). Guesses until a GPU run
+# calibrates them: its JSON has every method's measured warm-up (compile) and call times next
+# to the prediction; override with --assume key=value.
+ASSUMED = {
+    "cuda": dict(bandwidth=4.3e12, flops=6e14, graph_s=20.0, layer_s=1.5, eager_layer_s=6e-4, efficiency=0.6,
+                 host_round_s=3e-4),
+    "cpu": dict(bandwidth=2e10, flops=5e10, graph_s=6.0, layer_s=2.5, eager_layer_s=3e-4, efficiency=0.05,
+                host_round_s=1e-3),
+}  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- models
+def llama_config(shape: str, args) -> LlamaConfig:
+    max_positions = 1 << math.ceil(math.log2(max(args.contexts) + args.new_tokens + 2 * args.k + 8))
+    return LlamaConfig(
+        **SHAPES[shape],
+        max_position_embeddings=max(max_positions, 256),
+        initializer_range=args.init_range,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+
+
+def build_model(shape: str, args, seed: int):
+    """A random-weight Llama of ``shape``, created directly on the device in the bench dtype."""
+    torch.manual_seed(seed)
+    with torch.device(args.device):
+        model = AutoModelForCausalLM.from_config(
+            llama_config(shape, args), dtype=getattr(torch, args.dtype), attn_implementation="sdpa"
+        )
+    model.generation_config.eos_token_id = None  # every method generates exactly --new-tokens
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def layers(shape: str) -> int:
+    return SHAPES[shape]["num_hidden_layers"]
+
+
+def plan(args) -> list[tuple[str, int, int]]:
+    return [(pair, b, c) for pair in args.shapes for c in args.contexts for b in args.batches]
+
+
+def method_rows(args, batch: int) -> list[str]:
+    rows = []
+    for m in args.methods:
+        if m == "hf_assisted" and batch > 1:
+            continue  # HF assisted generation refuses batch > 1
+        rows += [f"specfx_oracle_{a:g}" for a in args.alphas] if m == "specfx_oracle" else [m]
+    return rows
+
+
+# ----------------------------------------------------------------------------- prediction
+class Predictor:
+    """Predicted seconds of every step of a combination (see ASSUMED)."""
+
+    def __init__(self, args):
+        self.args, self.a = args, args.assumed
+        dtype = getattr(torch, args.dtype)
+        self.meta = {s: meta_model(llama_config(s, args), dtype) for pair in args.shapes for s in PAIRS[pair]}
+
+    def graph(self, layer_instances: int) -> float:
+        return self.a["graph_s"] + self.a["layer_s"] * layer_instances
+
+    def _fwd(self, shape, batch, tokens, ctx) -> float:
+        return forward_bytes(self.meta[shape], batch, tokens, ctx).total / self.a["bandwidth"]
+
+    def prefill(self, shape, batch, ctx) -> float:
+        params = sum(p.numel() for p in self.meta[shape].parameters())
+        return 2 * params * batch * ctx / self.a["flops"] + layers(shape) * self.a["eager_layer_s"]
+
+    def steps(self, pair, batch, ctx) -> dict:
+        """(compile seconds, seconds per generate call) per method row."""
+        t, d = PAIRS[pair]
+        k, n, a = self.args.k, self.args.new_tokens, self.a
+        mid = ctx + n // 2
+        eff, host = a["efficiency"], a["host_round_s"]
+        eager = a["eager_layer_s"]
+        step_t = self._fwd(t, batch, 1, mid)
+        verify = self._fwd(t, batch, k + 1, mid)
+        step_d = self._fwd(d, batch, 1, mid)
+        pre = self.prefill(t, batch, ctx)
+        pre_d = self.prefill(d, batch, ctx)
+        out = {
+            "hf_dynamic": (0.0, pre + n * max(layers(t) * eager, step_t)),
+            "hf_static_compiled": (self.graph(layers(t)), pre + n * (step_t / eff + host)),
+            "hf_assisted": (0.0, pre + pre_d + n * (k * max(layers(d) * eager, step_d) + max(layers(t) * eager, verify))),
+            "specfx_draft": (self.graph(layers(t) + k * layers(d)), pre + pre_d + n * ((verify + k * step_d) / eff + host)),
+            "specfx_self": (self.graph(layers(t) * (k + 1)), pre * 2 + n / (k + 1) * ((verify + k * step_t) / eff + host)),
+        }
+        for i, alpha in enumerate(self.args.alphas):
+            tau = expected_acceptance(alpha, k)[1]
+            out[f"specfx_oracle_{alpha:g}"] = (self.graph(layers(t)) if i == 0 else 0.0, pre + n / tau * (verify / eff + host))
+        rows = self.args.methods
+        parts = self.graph(layers(t))  # verify
+        parts += self.graph(layers(d)) if "specfx_draft" in rows else 0.0
+        parts += self.graph(layers(t)) if "specfx_self" in rows else 0.0
+        out["parts"] = (parts, 0.0)
+        out["reference"] = (0.0, out["hf_dynamic"][1] * (n + k + 1) / n)
+        out["build"] = (0.0, 2.0 + sum(p.numel() for s in (t, d) for p in self.meta[s].parameters()) / 2e9)
+        return out
+
+    def combo(self, pair, batch, ctx) -> float:
+        steps = self.steps(pair, batch, ctx)
+        calls = 1 + self.args.repeats
+        rows = method_rows(self.args, batch)
+        total = sum(steps[m][0] + calls * steps[m][1] for m in rows)
+        if any(m.startswith("specfx_oracle") for m in rows):
+            total += steps["reference"][1]
+        if not self.args.no_overhead and any(m.startswith("specfx") for m in rows):
+            total += steps["parts"][0]
+        return total
+
+
+def print_plan(args, predictor) -> float:
+    total, last_pair = 0.0, None
+    log(f"plan: K={args.k}, {args.new_tokens} new tokens, {args.repeats} repeats, {args.dtype} on {args.device}")
+    for pair, b, c in plan(args):
+        s = predictor.combo(pair, b, c)
+        if pair != last_pair:
+            s += predictor.steps(pair, b, c)["build"][1]
+            last_pair = pair
+        total += s
+        log(f"  {pair:<8} B={b:<3} ctx={c:<5} predicted {s:6.0f} s   methods: {' '.join(method_rows(args, b))}")
+    log(f"predicted total {total:.0f} s ({total / 60:.1f} min); budget {args.budget_s:.0f} s")
+    return total

@@ -1,7 +1,8 @@
 """specfx: speculative decoding for any Hugging Face causal LM, one compiled graph per round.
 
 Top-level API: :func:`speculate`, :class:`SpeculativeGenerator`, :class:`SpecConfig`,
-:class:`SpecStats`, :class:`PromptLookup`, :class:`EarlyExit`. Building blocks: :mod:`specfx.passes` (FX passes and the ``specfx``
+:class:`SpecStats`, :class:`PromptLookup`, :class:`EarlyExit`,
+:class:`MTP`. Building blocks: :mod:`specfx.passes` (FX passes and the ``specfx``
 torch.compile backend), :mod:`specfx.drafters`, :mod:`specfx.sampling`.
 """
 
@@ -9,6 +10,7 @@ from .config import MAX_SPECULATIVE_TOKENS, SpecConfig
 from .drafters import Drafter, DraftModel
 from .early_exit import EarlyExit
 from .generator import SpeculativeGenerator, speculate
+from .mtp import MTP
 from .prompt_lookup import PromptLookup
 from .stats import SpecStats
 
@@ -22,6 +24,7 @@ __all__ = [
     "SpecStats",
     "PromptLookup",
     "EarlyExit",
+    "MTP",
     "MAX_SPECULATIVE_TOKENS",
     # building blocks
     "Drafter",

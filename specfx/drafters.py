@@ -27,6 +27,8 @@ class Drafter:
     """Interface. ``ctx`` is the :class:`specfx.round.RoundContext` of the running round."""
 
     name = "drafter"
+    # True: the round also returns the target's last hidden states and calls observe() with them
+    needs_hidden = False
 
     def bind(self, target: ModelRunner) -> None:
         """Check compatibility with the target at ``speculate()`` time."""
@@ -36,6 +38,12 @@ class Drafter:
 
     def prefill(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """See the prompt: ids/positions/slots ``[B, P]`` (padding goes to the trash slot)."""
+
+    def observe(self, ctx, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Only for drafters with ``needs_hidden``: the target's last hidden states ``hidden
+        [B, T, H]`` (after its final norm) for the tokens its forward just processed at
+        ``positions``/``slots [B, T]``; called at the end of prefill and of every round, after
+        the emitted tokens and lengths are committed (MTP heads, EAGLE-style drafters)."""
 
     def proposal_cost(self, target: ModelRunner) -> float:
         """Estimated cost of one more proposal (drafting it and verifying its position)

@@ -138,7 +138,9 @@ def prefill_step(target, drafter, state: RoundState, ids: torch.Tensor, flags, v
     slots = torch.where(real, pos, target.cache.trash_slot)
     pos = pos.clamp_min(0)
     ids = torch.where(real, ids, PLACEHOLDER)
-    logits = target.forward(ids, pos, slots)[:, -1:]  # [B, 1, V]
+    out = target.forward(ids, pos, slots, return_hidden=drafter.needs_hidden)
+    logits, hidden = out if drafter.needs_hidden else (out, None)
+    logits = logits[:, -1:]  # [B, 1, V]
     drafter.prefill(ids, pos, slots)
 
     s.tokens.scatter_(1, slots, ids)
@@ -160,6 +162,8 @@ def prefill_step(target, drafter, state: RoundState, ids: torch.Tensor, flags, v
     s.finished.copy_(is_eos | (s.lengths + 1 >= s.gen_end))
     for t in (s.rounds, s.proposed, s.accepted, s.emitted, s.row_rounds, s.per_position):
         t.zero_()
+    if hidden is not None:
+        drafter.observe(ctx, hidden, pos, slots)  # after the first token is committed
     return first
 
 
@@ -180,7 +184,9 @@ def round_step(target, drafter, state: RoundState, k: int, flags, vocab: int):
     pending = s.tokens.gather(1, lengths.unsqueeze(1))  # [B, 1]
     ids = torch.cat([pending, proposals], dim=1)  # [B, K+1]
     pos = lengths.unsqueeze(1) + torch.arange(k + 1, device=ids.device)  # [B, K+1]
-    scores = ctx.process(target.forward(ids, pos, pos), 0, list(proposals.split(1, dim=1)))
+    verified = target.forward(ids, pos, pos, return_hidden=drafter.needs_hidden)
+    logits, hidden = verified if drafter.needs_hidden else (verified, None)
+    scores = ctx.process(logits, 0, list(proposals.split(1, dim=1)))
     if flags[0]:
         p = scores.softmax(dim=-1)
         if q is None:
@@ -207,6 +213,8 @@ def round_step(target, drafter, state: RoundState, k: int, flags, vocab: int):
         s.seen.scatter_add_(1, out, (idx < n.unsqueeze(1)).int())
     s.finished.copy_(s.finished | (active & (has_eos | (n >= remaining))))
     s.lengths.add_(n)
+    if hidden is not None:
+        drafter.observe(ctx, hidden, pos, pos)  # after the emitted tokens are committed
 
     # statistics (device-side; read once per generate call)
     act = active.long()

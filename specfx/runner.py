@@ -71,8 +71,10 @@ class ModelRunner:
         with torch.no_grad():
             self.forward(zeros, zeros, torch.full_like(zeros, self.cache.trash_slot))
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, return_hidden: bool = False):
         """ids, positions, slots ``[B, T]`` -> logits ``[B, T, V]``; writes KV at ``slots``.
+        With ``return_hidden``: ``(logits, hidden [B, T, H])``, the last hidden state (after the
+        final norm, HF's ``output_hidden_states[-1]``), for drafters that read it (MTP).
 
         Positions are clamped to the model's range: only uncommitted padding ever exceeds it,
         and an out-of-range learned position embedding would fault inside a kernel.
@@ -88,5 +90,8 @@ class ModelRunner:
             position_ids=positions,
             past_key_values=cache,
             use_cache=True,
+            **({"output_hidden_states": True} if return_hidden else {}),
         )
+        if return_hidden:
+            return out.logits, out.hidden_states[-1]
         return out.logits

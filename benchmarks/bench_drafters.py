@@ -10,9 +10,10 @@ prompts (batch 1, one after another), the same number of new tokens, greedy, fp3
 
 specfx generators are compiled (backend "specfx": passes + Inductor) unless ``--no-compile``.
 
-Task: input-grounded code from the Python standard library (offline). Functions of 150-400
-tokens are cut from the files the demo pair holds out of training (the path-hash rule of
-``specfx.models.train_pair``), in a fixed order:
+Task: input-grounded code from the Python standard library (offline). Functions of
+``--fn-tokens`` tokens (default 40-90, so that an edit prompt and its continuation fit the
+demo pair's 256-token training context) are cut from the files the demo pair holds out of
+training (the path-hash rule of ``specfx.models.train_pair``), in a fixed order:
 
     edit      the function, a blank line, then its first line again with the function renamed
               (``name`` -> ``name_v2``): a model that copies from its context continues with
@@ -74,7 +75,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--tasks", nargs="+", default=["edit", "complete"], choices=("edit", "complete"))
     p.add_argument("--num-prompts", type=int, default=6, help="prompts per task, each run at batch 1")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--fn-tokens", type=int, nargs=2, default=[40, 90], help="min and max tokens of a function")
     p.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8], help="fixed K values (specfx and HF)")
     p.add_argument("--auto-values", type=int, nargs="+", default=[1, 2, 4, 8], help="auto_k_values of specfx_auto")
     p.add_argument("--max-ngram", type=int, default=3, help="PromptLookup max_ngram = HF max_matching_ngram_size")
@@ -227,7 +229,8 @@ def compile_every_k(specs) -> None:
     for spec in specs.values():
         if spec.auto_k is not None and spec.spec_config.compile:
             for fn in spec._round_fns.values():
-                fn()
+                with torch.no_grad():  # as in generate(): grad mode is part of the graphs' guards
+                    fn()
 
 
 # ----------------------------------------------------------------------------- report
@@ -262,7 +265,7 @@ def main(argv=None) -> int:
     if target.generation_config.pad_token_id is None:
         target.generation_config.pad_token_id = 0
 
-    pool = functions(encode, 150, 400)
+    pool = functions(encode, *args.fn_tokens)
     random.Random(args.seed).shuffle(pool)
     picked = pool[: args.num_prompts]
     prompts = {

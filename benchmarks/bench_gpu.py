@@ -43,9 +43,6 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import json
-import math
-import platform
 import statistics
 import sys
 import time
@@ -56,7 +53,6 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import transformers  # noqa: E402
 
 import specfx  # noqa: E402
 from benchmarks.bench_core import first_mismatch, hf_compile_config, log, make_sync, run_all  # noqa: E402
@@ -70,18 +66,22 @@ from benchmarks.floor import (  # noqa: E402
     round_floor_seconds,
 )
 from benchmarks.gpu_plan import ASSUMED, METHODS, PAIRS, Predictor, build_model, method_rows, plan, print_plan  # noqa: E402
-from benchmarks.oracle import OracleDrafter, expected_acceptance, greedy_continuation  # noqa: E402
+from benchmarks.gpu_report import fmt, meta_info, print_summary, write  # noqa: E402
+from benchmarks.oracle import OracleDrafter, greedy_continuation  # noqa: E402
 from specfx.passes.backend import make_backend  # noqa: E402
 
 BASELINE = "hf_static_compiled"  # speedups are against HF's best plain decode
 REFERENCE = "hf_dynamic"  # tokens are compared with HF's default generate()
+MIN_COMBO_S = 60.0  # a combination is not started with less time left than this
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny models on the CPU in fp32 (checks the script)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and predicted runtime; build nothing")
-    p.add_argument("--shapes", default=None, help=f"pairs, comma-separated, from {sorted(PAIRS)} (default: 8b-1b,1b-150m)")
+    p.add_argument(
+        "--shapes", default=None, help=f"pairs, comma-separated, from {sorted(PAIRS)} (default: 8b-1b,1b-150m)"
+    )
     p.add_argument("--batches", default=None, help="batch sizes (default: 1,4,16)")
     p.add_argument("--contexts", default=None, help="prompt lengths (default: 512,4096)")
     p.add_argument("--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}")
@@ -90,8 +90,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=None, help="new tokens per row (default 128; smoke 16)")
     p.add_argument("--repeats", type=int, default=3, help="timed calls per method after the warm-up")
     p.add_argument("--micro-iters", type=int, default=20, help="timed calls per round / part")
-    p.add_argument("--no-overhead", action="store_true", help="skip the round-overhead parts (saves 3 compiles per combination)")
-    p.add_argument("--compile-prefill", action="store_true", help="compile specfx's prefill too (one graph per generator)")
+    p.add_argument(
+        "--no-overhead", action="store_true", help="skip the round-overhead parts (saves 3 compiles per combination)"
+    )
+    p.add_argument(
+        "--compile-prefill", action="store_true", help="compile specfx's prefill too (one graph per generator)"
+    )
     p.add_argument(
         "--backend",
         default=None,
@@ -100,14 +104,26 @@ def parse_args(argv=None) -> argparse.Namespace:
         "specfx_eager captures the same graphs but runs them without Inductor (the smoke default:\n"
         "it checks the script in a minute; HF's compile then uses backend='eager' too)",
     )
-    p.add_argument("--rounds-per-sync", type=int, default=1, help="specfx rounds between host reads of the finished flags")
+    p.add_argument(
+        "--rounds-per-sync", type=int, default=1, help="specfx rounds between host reads of the finished flags"
+    )
     p.add_argument("--device", default=None, help="default: cuda (smoke: cpu)")
-    p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"), help="default: bfloat16 (smoke: float32)")
+    p.add_argument(
+        "--dtype", default=None, choices=("bfloat16", "float16", "float32"), help="default: bfloat16 (smoke: float32)"
+    )
     p.add_argument("--init-range", type=float, default=0.02, help="initializer_range of the random weights")
     p.add_argument("--budget-s", type=float, default=480.0, help="skip what would end past this many seconds")
-    p.add_argument("--assume", action="append", default=[], metavar="KEY=VALUE", help=f"override a planning constant ({', '.join(ASSUMED['cuda'])})")
+    p.add_argument(
+        "--assume",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"override a planning constant ({', '.join(ASSUMED['cuda'])})",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results", help="where the JSON and markdown go")
+    p.add_argument(
+        "--out-dir", type=Path, default=Path(__file__).parent / "results", help="where the JSON and markdown go"
+    )
     p.add_argument("--tag", default="gpu", help="file names: bench_<tag>.json / .md")
     args = p.parse_args(argv)
     smoke = args.smoke
@@ -129,6 +145,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if any(not 0 <= a <= 1 for a in args.alphas):
         p.error("--alphas must lie in [0, 1]")
     args.assumed = dict(ASSUMED["cuda" if args.device.startswith("cuda") else "cpu"])
+    if args.backend == "specfx_eager":  # graphs are captured, not compiled: seconds, not minutes
+        args.assumed.update(graph_s=1.0, layer_s=0.3)
     for item in args.assume:
         key, _, value = item.partition("=")
         if key not in args.assumed:
@@ -212,12 +230,9 @@ class Combo:
             cc = hf_compile_config(torch.device(args.device))
             if args.backend == "specfx_eager":
                 cc.backend = "eager"  # capture without Inductor, like specfx_eager
-            fns["hf_static_compiled"] = lambda x: target.generate(x, cache_implementation="static", compile_config=cc, **common)
-        if "hf_assisted" in rows:
-            gc_ = draft.generation_config  # assisted generation reads K from the assistant's config
-            gc_.num_assistant_tokens, gc_.num_assistant_tokens_schedule = k, "constant"
-            gc_.assistant_confidence_threshold = 0.0
-            fns["hf_assisted"] = lambda x: target.generate(x, assistant_model=draft, **common)
+            fns["hf_static_compiled"] = lambda x: target.generate(
+                x, cache_implementation="static", compile_config=cc, **common
+            )
 
         def spec_fn(name, spec, before=None):
             def fn(x):
@@ -229,9 +244,6 @@ class Combo:
 
             return fn
 
-        if "specfx_draft" in rows:
-            self.specs["specfx_draft"] = make_spec(target, draft, args, self.ctx)
-            fns["specfx_draft"] = spec_fn("specfx_draft", self.specs["specfx_draft"])
         oracle_rows = [r for r in rows if r.startswith("specfx_oracle")]
         if oracle_rows:
             log(f"[{self.label}] oracle reference: target's greedy continuation ({n + k + 1} tokens)")
@@ -240,6 +252,14 @@ class Combo:
             spec = self.specs["specfx_oracle"] = make_spec(target, oracle, args, self.ctx)
             for row, alpha in zip(oracle_rows, args.alphas, strict=True):
                 fns[row] = spec_fn(row, spec, functools.partial(oracle.set_alpha, alpha))
+        if "specfx_draft" in rows:
+            self.specs["specfx_draft"] = make_spec(target, draft, args, self.ctx)
+            fns["specfx_draft"] = spec_fn("specfx_draft", self.specs["specfx_draft"])
+        if "hf_assisted" in rows:
+            gc_ = draft.generation_config  # assisted generation reads K from the assistant's config
+            gc_.num_assistant_tokens, gc_.num_assistant_tokens_schedule = k, "constant"
+            gc_.assistant_confidence_threshold = 0.0
+            fns["hf_assisted"] = lambda x: target.generate(x, assistant_model=draft, **common)
         if "specfx_self" in rows:
             self.specs["specfx_self"] = make_spec(target, target, args, self.ctx)
             fns["specfx_self"] = spec_fn("specfx_self", self.specs["specfx_self"])
@@ -249,7 +269,9 @@ class Combo:
     def label(self) -> str:
         return f"{self.pair} B={self.batch} ctx={self.ctx}"
 
-    def run(self) -> dict:
+    def run(self, checkpoint=lambda partial: None) -> dict:
+        """Measure every method; ``checkpoint`` gets the result before the round-overhead
+        step (so a run killed at its time limit keeps the end-to-end numbers)."""
         args = self.args
         g = torch.Generator().manual_seed(args.seed + self.batch * 7919 + self.ctx)
         vocab = self.target.config.vocab_size
@@ -259,7 +281,10 @@ class Combo:
         for name, fn in fns.items():
             compile_s, call_s = self.predicted.get(name, (0.0, 0.0))
             if self.time_left() < compile_s + call_s:
-                self.results[name] = {"status": "skipped", "reason": f"budget: predicted {compile_s + call_s:.0f} s, {self.time_left():.0f} s left"}
+                self.results[name] = {
+                    "status": "skipped",
+                    "reason": f"budget: predicted {compile_s + call_s:.0f} s, {self.time_left():.0f} s left",
+                }
                 log(f"[{self.label}] {name}: skipped (budget)")
                 continue
             log(f"[{self.label}] warm-up {name} (predicted compile {compile_s:.0f} s) ...")
@@ -271,7 +296,13 @@ class Combo:
                 log(f"[{self.label}] {name}: FAILED: {self.results[name]['reason'][:300]}")
                 continue
             warm = time.perf_counter() - t0
-            self.results[name] = {"status": "ok", "warmup_s": warm, "predicted_compile_s": compile_s, "predicted_call_s": call_s, "times_s": []}
+            self.results[name] = {
+                "status": "ok",
+                "warmup_s": warm,
+                "predicted_compile_s": compile_s,
+                "predicted_call_s": call_s,
+                "times_s": [],
+            }
             outputs[name] = outs[0]
             log(f"[{self.label}] warm-up {name}: {warm:.1f} s")
 
@@ -280,8 +311,14 @@ class Combo:
             if r > 0 and self.time_left() < sum(self.results[m]["times_s"][-1] for m in live):
                 log(f"[{self.label}] budget: stopping after {r} timed repeat(s)")
                 break
-            for name in live:
-                dt, outs = run_all(fns[name], [ids])
+            for name in list(live):
+                try:
+                    dt, outs = run_all(fns[name], [ids])
+                except Exception as e:
+                    self.results[name] = {"status": "error", "reason": f"timed call: {type(e).__name__}: {e}"[:800]}
+                    log(f"[{self.label}] {name}: FAILED in a timed call: {self.results[name]['reason'][:300]}")
+                    live.remove(name)
+                    continue
                 self.results[name]["times_s"].append(dt)
                 outputs[name] = outs[0]
 
@@ -300,16 +337,26 @@ class Combo:
         for name in live:
             if "median_s" in base:
                 self.results[name]["speedup_vs_hf_static_compiled"] = base["median_s"] / self.results[name]["median_s"]
-        overhead = self.round_overhead() if self.specs and not args.no_overhead else {}
-        floor = self.floor()
-        return dict(
-            pair=self.pair, batch=self.batch, context=self.ctx, methods=self.results, round_overhead=overhead, floor=floor
-        )
+        result = dict(pair=self.pair, batch=self.batch, context=self.ctx, methods=self.results, floor=self.floor())
+        for name in live:
+            r = self.results[name]
+            log(
+                f"[{self.label}] {name}: {r['tokens_per_s']:.1f} tok/s, "
+                f"{fmt(r.get('speedup_vs_hf_static_compiled'), '.2f')}x HF static+compile, "
+                f"tau {fmt(r.get('spec_stats', {}).get('tau'), '.2f')}, same tokens {r.get('same_tokens_as_hf_dynamic')}"
+            )
+        checkpoint(result)
+        result["round_overhead"] = self.round_overhead() if self.specs and not args.no_overhead else {}
+        return result
 
     # ------------------------------------------------------------------------- overhead
     def round_overhead(self) -> dict:
         args, k, b = self.args, self.args.k, self.batch
-        live = {m: s for m, s in self.specs.items() if any(self.results.get(r, {}).get("status") == "ok" for r in self.results if r.startswith(m))}
+        live = {
+            m: s
+            for m, s in self.specs.items()
+            if any(self.results.get(r, {}).get("status") == "ok" for r in self.results if r.startswith(m))
+        }
         if not live:
             return {}
         parts_compile = self.predicted.get("parts", (0.0, 0.0))[0]
@@ -331,7 +378,9 @@ class Combo:
                 backend = make_backend(args.backend)
 
                 def part(runner, t):
-                    fwd = torch.compile(lambda i, p: runner.forward(i, p, p), backend=backend, fullgraph=True, dynamic=False)
+                    fwd = torch.compile(
+                        lambda i, p: runner.forward(i, p, p), backend=backend, fullgraph=True, dynamic=False
+                    )
                     ids_t, pos_t = tok[:, :t].contiguous(), pos[:, :t].contiguous()
                     return 1e3 * device_time(lambda: fwd(ids_t, pos_t), dev, iters)
 
@@ -391,87 +440,6 @@ class Combo:
         return out
 
 
-# ----------------------------------------------------------------------------- report
-def _fmt(x, spec: str, na: str = "-") -> str:
-    return na if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
-
-
-def table(combos: list[dict], args) -> str:
-    hdr = "| pair | B | ctx | method | tok/s | vs HF static+compile | α | τ | round overhead | of floor | same tokens | warm-up s |"
-    lines = [hdr, "|" + "---|" * (hdr.count("|") - 1)]
-    for c in combos:
-        ov = c.get("round_overhead", {})
-        for name, r in c["methods"].items():
-            cells = [c["pair"], str(c["batch"]), str(c["context"]), name]
-            if r.get("status") != "ok":
-                cells += [f"{r.get('status')}: {r.get('reason', '')[:60]}"] + [""] * 7
-            else:
-                st = r.get("spec_stats", {})
-                family = "specfx_oracle" if name.startswith("specfx_oracle") else name
-                same = r.get("same_tokens_as_hf_dynamic")
-                mism = r.get("first_mismatch_per_row", [])
-                same_txt = "-" if same is None else ("yes" if same else f"{sum(m is None for m in mism)}/{len(mism)} rows")
-                cells += [
-                    _fmt(r["tokens_per_s"], ".1f"),
-                    _fmt(r.get("speedup_vs_hf_static_compiled"), ".2f") + ("x" if "speedup_vs_hf_static_compiled" in r else ""),
-                    _fmt(st.get("acceptance_rate"), ".3f"),
-                    _fmt(st.get("tau"), ".2f"),
-                    _fmt(ov.get(f"overhead[{family}]"), ".2f"),
-                    _fmt(r.get("fraction_of_floor"), ".2f"),
-                    same_txt,
-                    _fmt(r.get("warmup_s"), ".0f"),
-                ]
-            lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def floor_lines(combos: list[dict]) -> str:
-    out = []
-    for c in combos:
-        f, ov = c["floor"], c.get("round_overhead", {})
-        rf = ", ".join(f"{m.removeprefix('specfx_')} {v:.3f}" for m, v in f["round_floor_ms"].items())
-        parts = ""
-        if "verify_ms" in ov:
-            parts = (
-                f"; measured: verify {ov['verify_ms']:.3f} ms ({ov['verify_fraction_of_bandwidth']:.2f} of copy bandwidth)"
-                + (f", target step {ov['target_step_ms']:.3f} ms" if "target_step_ms" in ov else "")
-                + (f", draft step {ov['draft_step_ms']:.3f} ms" if "draft_step_ms" in ov else "")
-                + "".join(f", round[{m.removeprefix('round_ms[')} {v:.3f} ms" for m, v in ov.items() if m.startswith("round_ms["))
-            )
-        out.append(
-            f"{c['pair']} B={c['batch']} ctx={c['context']}: floor at ctx {f['context_mean']}: decode step "
-            f"{f['decode_floor_ms']:.3f} ms, round ({rf}) ms{parts}"
-        )
-    return "\n".join(out)
-
-
-def meta_info(args, bandwidth) -> dict:
-    dev = torch.device(args.device)
-    return dict(
-        torch=torch.__version__,
-        transformers=transformers.__version__,
-        specfx=specfx.__version__,
-        python=platform.python_version(),
-        device=str(dev),
-        gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
-        copy_bandwidth=bandwidth,
-        assumed=args.assumed,
-        command=" ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-    )
-
-
-def write(args, meta, combos, skipped) -> None:
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    data = dict(config=config, meta=meta, combos=combos, skipped=skipped)
-    (args.out_dir / f"bench_{args.tag}.json").write_text(json.dumps(data, indent=2, default=str))
-    md = [f"# bench_gpu ({meta['gpu'] or meta['device']}, {args.dtype}, K={args.k}, {args.new_tokens} new tokens)", ""]
-    md += [table(combos, args), "", "```", floor_lines(combos), "```"]
-    if skipped:
-        md += ["", "Skipped (budget): " + ", ".join(skipped)]
-    (args.out_dir / f"bench_{args.tag}.md").write_text("\n".join(md) + "\n")
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     predictor = Predictor(args)
@@ -488,9 +456,13 @@ def main(argv=None) -> int:
     meta = meta_info(args, bandwidth)
     meta["predicted_total_s"] = predicted_total
     combos, skipped = [], []
+
+    def checkpoint(partial: dict) -> None:  # partial results survive a kill at the time limit
+        write(args, meta, [*combos, partial], skipped)
+
     for pair in args.shapes:
         todo = [(b, c) for (p, b, c) in plan(args) if p == pair]
-        if deadline - time.perf_counter() < min(predictor.combo(pair, b, c) for b, c in todo):
+        if deadline - time.perf_counter() < MIN_COMBO_S:
             skipped += [f"{pair} B={b} ctx={c}" for b, c in todo]
             continue
         t_name, d_name = PAIRS[pair]
@@ -499,17 +471,18 @@ def main(argv=None) -> int:
         draft = build_model(d_name, args, args.seed + 1)
         for b, c in todo:
             pred = predictor.combo(pair, b, c)
-            if deadline - time.perf_counter() < pred:
+            if deadline - time.perf_counter() < MIN_COMBO_S:
                 skipped.append(f"{pair} B={b} ctx={c}")
-                log(f"[{pair} B={b} ctx={c}] skipped: predicted {pred:.0f} s, {deadline - time.perf_counter():.0f} s left")
+                log(f"[{pair} B={b} ctx={c}] skipped: {deadline - time.perf_counter():.0f} s left")
                 continue
+            # within a combination, each method is skipped when its own prediction no longer fits
             t0 = time.perf_counter()
             combo = Combo(args, target, draft, pair, b, c, bandwidth, predictor.steps(pair, b, c), deadline)
-            result = combo.run()
+            result = combo.run(checkpoint)
             result["wall_s"], result["predicted_s"] = time.perf_counter() - t0, pred
             combos.append(result)
             del combo
-            write(args, meta, combos, skipped)  # partial results survive a kill
+            write(args, meta, combos, skipped)
             torch._dynamo.reset()  # frees compiled graphs (and their CUDA graph pools) between combinations
             gc.collect()
             if dev.type == "cuda":
@@ -521,22 +494,7 @@ def main(argv=None) -> int:
 
     meta["wall_s"] = time.perf_counter() - t_start
     write(args, meta, combos, skipped)
-    print()
-    print(f"bench_gpu: {meta['gpu'] or meta['device']}, {args.dtype}, K={args.k}, {args.new_tokens} new tokens per row, "
-          f"medians of {args.repeats}; copy bandwidth {bandwidth / 1e9:.1f} GB/s; torch {meta['torch']}, "
-          f"transformers {meta['transformers']}")  # fmt: skip
-    print(table(combos, args))
-    print(floor_lines(combos))
-    for c in combos:
-        for name, r in c["methods"].items():
-            if name.startswith("specfx_oracle") and "spec_stats" in r:
-                alpha = float(name.rsplit("_", 1)[1])
-                rate, tau = expected_acceptance(alpha, args.k)
-                print(f"{c['pair']} B={c['batch']} ctx={c['context']} {name}: acceptance {r['spec_stats']['acceptance_rate']:.3f} "
-                      f"(expected {rate:.3f}), tau {r['spec_stats']['tau']:.2f} (expected {tau:.2f} before end truncation)")  # fmt: skip
-    if skipped:
-        print("skipped (budget): " + ", ".join(skipped))
-    print(f"total {meta['wall_s']:.0f} s (predicted {predicted_total:.0f} s); results in {args.out_dir}/bench_{args.tag}.json/.md")
+    print_summary(args, meta, combos, skipped, predicted_total)
     exact = args.dtype == "float32"
     bad = [
         f"{c['pair']} B={c['batch']} ctx={c['context']} {n}"
@@ -545,7 +503,14 @@ def main(argv=None) -> int:
         if r.get("status") == "ok" and r.get("same_tokens_as_hf_dynamic") is False
     ]
     if bad:
-        print(("tokens differ from hf_dynamic (fp32: a bug): " if exact else "tokens differ from hf_dynamic (bf16 near-ties?): ") + ", ".join(bad))
+        print(
+            (
+                "tokens differ from hf_dynamic (fp32: a bug): "
+                if exact
+                else "tokens differ from hf_dynamic (bf16 near-ties?): "
+            )
+            + ", ".join(bad)
+        )
     return 1 if exact and bad else 0
 
 

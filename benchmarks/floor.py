@@ -127,7 +127,9 @@ def kv_bytes_read(config, batch: int, context: int, dtype: torch.dtype) -> int:
     return layers * 2 * batch * kv_heads * context * head_dim * _dtype_size(dtype)
 
 
-def forward_bytes(model, batch: int, tokens_per_row: int, context: int, dtype: torch.dtype | None = None) -> ForwardBytes:
+def forward_bytes(
+    model, batch: int, tokens_per_row: int, context: int, dtype: torch.dtype | None = None
+) -> ForwardBytes:
     """Weight and KV bytes of one forward of ``tokens_per_row`` tokens for each of ``batch``
     rows attending ``context`` KV entries (dtype: the model's unless given)."""
     dtype = dtype or next(p.dtype for p in model.parameters() if p.is_floating_point())

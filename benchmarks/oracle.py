@@ -141,7 +141,11 @@ def _check_alpha(alpha) -> float:
 
 def _check_reference(reference) -> torch.Tensor:
     if not isinstance(reference, torch.Tensor) or reference.dim() != 2 or reference.dtype != torch.long:
-        got = f"{reference.dtype} tensor of shape {tuple(reference.shape)}" if isinstance(reference, torch.Tensor) else type(reference).__name__
+        got = (
+            f"{reference.dtype} tensor of shape {tuple(reference.shape)}"
+            if isinstance(reference, torch.Tensor)
+            else type(reference).__name__
+        )
         raise TypeError(f"reference must be an int64 tensor [batch, positions] (see greedy_continuation), got {got}.")
     return reference
 

@@ -1,23 +1,106 @@
 """Explicit 4-D attention masks built from per-row positions.
 
-Every query at position ``p`` sees exactly the buffer slots ``0..p`` of its own row: slot ==
-position for real tokens, stale slots beyond ``p`` (rejected proposals, padding garbage) and
-the trash slot stay hidden. HF models return a 4-D mask untouched (``masking_utils``), so this
-is the hook through which specfx controls attention; the format each attention
-implementation expects is declared in :data:`MASK_FORMATS`.
+Every query at position ``p`` sees buffer slots ``0..p`` of its own row (slot == position for
+real tokens), further restricted by the layer's attention pattern: a sliding window of ``W``
+shows slots ``p - W < j <= p``, a chunked layer of size ``S`` shows the slots of ``p``'s chunk.
+Stale slots beyond ``p`` (rejected proposals, padding garbage) and the trash slot stay hidden.
+
+HF models return a 4-D mask untouched (``masking_utils``), so this is the hook through which
+specfx controls attention. Models whose layers differ (``config.layer_types``, e.g. Gemma2's
+alternating sliding/full layers) take a dict ``{layer_type: mask}``; models with one pattern
+take one tensor. :func:`mask_plan` derives which from the config alone, so an architecture that
+follows these conventions needs no code here. The tensor format each attention implementation
+expects is declared in :data:`MASK_FORMATS`.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["MASK_FORMATS", "build_mask", "check_attn_implementation"]
+__all__ = ["ATTENTION_LAYER_TYPES", "MASK_FORMATS", "MaskPlan", "build_mask", "check_attn_implementation", "mask_plan"]
 
 # attention implementation -> mask format it expects when handed a 4-D tensor.
 MASK_FORMATS = {
     "sdpa": "bool",  # True = attend
     "eager": "additive",  # 0 = attend, dtype-min = hidden
 }
+
+# config.layer_types value -> (pattern, config attribute holding its size)
+ATTENTION_LAYER_TYPES = {
+    "full_attention": ("full", None),
+    "sliding_attention": ("sliding", "sliding_window"),
+    "chunked_attention": ("chunked", "attention_chunk_size"),
+}
+
+# A layer pattern: ("full", None) | ("sliding", W) | ("chunked", S)
+Pattern = tuple
+
+
+class MaskPlan:
+    """Which masks a model's forward takes: ``single`` (one pattern for all layers, passed as a
+    tensor) or ``by_type`` (``{layer_type: pattern}``, passed as a dict)."""
+
+    def __init__(self, single: Pattern | None, by_type: dict[str, Pattern] | None):
+        self.single = single
+        self.by_type = by_type
+
+    def build(self, positions: torch.Tensor, capacity: int, fmt: str, dtype: torch.dtype):
+        if self.by_type is None:
+            return build_mask(positions, capacity, fmt, dtype, self.single)
+        built: dict[Pattern, torch.Tensor] = {}
+        masks = {}
+        for layer_type, pattern in self.by_type.items():
+            if pattern not in built:
+                built[pattern] = build_mask(positions, capacity, fmt, dtype, pattern)
+            masks[layer_type] = built[pattern]
+        return masks
+
+    def describe(self) -> str:
+        if self.by_type is None:
+            return _describe(self.single)
+        return ", ".join(f"{t}: {_describe(p)}" for t, p in self.by_type.items())
+
+
+def _describe(pattern: Pattern) -> str:
+    kind, size = pattern
+    return "causal" if kind == "full" else f"{kind} {size}"
+
+
+def _size(config, attr: str, layer_type: str, model_name: str) -> int:
+    size = getattr(config, attr, None)
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(
+            f"{model_name} has {layer_type!r} layers but config.{attr} is {size!r}; specfx needs a "
+            f"positive int to build that layer's mask."
+        )
+    return size
+
+
+def mask_plan(config, model_name: str) -> MaskPlan:
+    """The masks a model needs, from its config: ``layer_types`` when present (one mask per
+    distinct type; a dict when they differ), else ``sliding_window`` (all layers sliding) or
+    plain causal. Unknown layer types (linear attention, recurrent state, sparse indexers...)
+    raise: specfx cannot keep their state per row with rollback."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        by_type = {}
+        for t in dict.fromkeys(layer_types):
+            if t not in ATTENTION_LAYER_TYPES:
+                raise ValueError(
+                    f"{model_name} has layers of type {t!r} (config.layer_types), which keep state "
+                    f"specfx cannot roll back per row (only {sorted(ATTENTION_LAYER_TYPES)} are "
+                    f"supported). Recurrent, linear-attention and sparse-indexer layers cannot be "
+                    f"speculated today."
+                )
+            kind, attr = ATTENTION_LAYER_TYPES[t]
+            by_type[t] = (kind, None if attr is None else _size(config, attr, t, model_name))
+        if len(set(by_type.values())) == 1:
+            return MaskPlan(next(iter(by_type.values())), None)
+        return MaskPlan(None, by_type)
+    window = getattr(config, "sliding_window", None)
+    if isinstance(window, int) and window > 0 and getattr(config, "use_sliding_window", True) is not False:
+        return MaskPlan(("sliding", window), None)
+    return MaskPlan(("full", None), None)
 
 
 def check_attn_implementation(model) -> str:
@@ -31,10 +114,19 @@ def check_attn_implementation(model) -> str:
     return impl
 
 
-def build_mask(positions: torch.Tensor, capacity: int, fmt: str, dtype: torch.dtype) -> torch.Tensor:
-    """``positions [B, T]`` -> mask ``[B, 1, T, capacity]`` where slot j is visible iff j <= p."""
-    slots = torch.arange(capacity, device=positions.device)
-    visible = slots.view(1, 1, 1, capacity) <= positions.unsqueeze(1).unsqueeze(-1)
+def build_mask(
+    positions: torch.Tensor, capacity: int, fmt: str, dtype: torch.dtype, pattern: Pattern = ("full", None)
+) -> torch.Tensor:
+    """``positions [B, T]`` -> mask ``[B, 1, T, capacity]``: slot j visible iff j <= p and j is
+    inside p's window/chunk."""
+    slots = torch.arange(capacity, device=positions.device).view(1, 1, 1, capacity)
+    pos = positions.unsqueeze(1).unsqueeze(-1)  # [B, 1, T, 1]
+    visible = slots <= pos
+    kind, size = pattern
+    if kind == "sliding":
+        visible = visible & (slots > pos - size)
+    elif kind == "chunked":
+        visible = visible & (slots // size == pos // size)
     if fmt == "bool":
         return visible
     zero = torch.zeros((), dtype=dtype, device=positions.device)

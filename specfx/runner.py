@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers import PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from .cache import SlotCache
-from .masks import build_mask, check_attn_implementation
+from .masks import check_attn_implementation, mask_plan
 
 __all__ = ["ModelRunner", "check_causal_lm"]
 
@@ -24,14 +26,24 @@ def check_causal_lm(model, role: str) -> None:
     config = model.config
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(
-            f"{role} ({type(model).__name__}) is an encoder-decoder model; specfx speculates "
-            f"decoder-only causal LMs."
+            f"{role} ({type(model).__name__}) is an encoder-decoder model; specfx speculates decoder-only causal LMs."
         )
     name = type(model).__name__
     if name not in _CAUSAL_LM_CLASSES or model.get_output_embeddings() is None:
         raise ValueError(
             f"{role} ({name}) is not a causal LM with an LM head. Load it with "
             f"AutoModelForCausalLM, not AutoModel or a classification head."
+        )
+    if getattr(model, "_is_stateful", False):
+        raise ValueError(
+            f"{role} ({name}) keeps recurrent or linear-attention state (Mamba/RWKV/hybrid-style "
+            f"layers). Speculation needs to discard rejected tokens per row, which such state "
+            f"cannot undo, so specfx cannot speculate this model."
+        )
+    if "past_key_values" not in inspect.signature(model.forward).parameters:
+        raise ValueError(
+            f"{role} ({name}) does not take a KV cache (its forward has no past_key_values "
+            f"argument), so its decoding cannot be driven incrementally; specfx cannot speculate it."
         )
 
 
@@ -44,15 +56,51 @@ class ModelRunner:
 
     def __init__(self, model, role: str):
         check_causal_lm(model, role)
-        self.model = model
-        self.role = role
         self.mask_format = check_attn_implementation(model)
         config = model.config.get_text_config()
+        self.mask_plan = mask_plan(config, type(model).__name__)
+        self.model = model
+        self.role = role
         self.num_layers = config.num_hidden_layers
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.config_vocab_size = config.vocab_size
         self.max_positions = getattr(config, "max_position_embeddings", None)
         self.cache: SlotCache | None = None
+        self._check_incremental()
+
+    def _check_incremental(self) -> None:
+        """Refuse a model whose incremental decoding through specfx's hooks differs from its
+        own full forward: one that attends to later tokens (BERT-style heads without
+        ``is_decoder=True``), derives positions from the cache length instead of
+        ``position_ids``, or otherwise ignores the cache, mask or positions it is given.
+        Two tiny forwards (6 tokens, then 3 + 3 through a small :class:`SlotCache`); skipped
+        in training mode, where dropout would blur the comparison."""
+        model = self.model
+        if model.training:
+            return
+        ids = (torch.arange(6, device=self.device) * 7 + 3).remainder(self.vocab_size).unsqueeze(0)
+        pos = torch.arange(6, device=self.device).unsqueeze(0)
+        kwargs = {"position_ids": pos} if "position_ids" in inspect.signature(model.forward).parameters else {}
+        try:
+            with torch.no_grad():
+                full = model(input_ids=ids, use_cache=False, **kwargs).logits.float()
+                self.allocate(1, 16)
+                first = self.forward(ids[:, :3], pos[:, :3], pos[:, :3])
+                steps = torch.cat([first, self.forward(ids[:, 3:], pos[:, 3:], pos[:, 3:])], dim=1).float()
+        except Exception as e:
+            raise ValueError(
+                f"{self.role} ({type(model).__name__}) failed when driven through a KV cache with an "
+                f"explicit 4-D mask and position_ids ({type(e).__name__}: {e}); specfx cannot speculate it."
+            ) from e
+        finally:
+            self.cache = None
+        if (steps - full).abs().max() > 0.1 * full.std() + 1e-4:
+            raise ValueError(
+                f"{self.role} ({type(model).__name__}) does not decode incrementally like its full "
+                f"forward: it attends to later tokens (BERT-style heads need is_decoder=True), or "
+                f"derives positions from the cache length rather than position_ids. specfx cannot "
+                f"speculate it."
+            )
 
     @property
     def device(self) -> torch.device:
@@ -81,7 +129,7 @@ class ModelRunner:
         """
         cache = self.cache
         cache.slots = slots
-        mask = build_mask(positions, cache.capacity, self.mask_format, self.dtype)
+        mask = self.mask_plan.build(positions, cache.capacity, self.mask_format, self.dtype)
         if self.max_positions is not None:
             positions = positions.clamp(max=self.max_positions - 1)
         out = self.model(

@@ -1,0 +1,193 @@
+"""The architecture conformance table: what specfx supports, per HF model type.
+
+The engine has no per-architecture code: :class:`specfx.runner.ModelRunner` drives every model
+through the same hooks (``past_key_values.update``, a 4-D mask or a dict of them keyed by
+``config.layer_types``, ``position_ids``) and refuses, at ``speculate()``, models whose state it
+cannot roll back. This table is *declarative*: it records what was verified for each model type
+and what makes the architecture interesting, and the conformance tests
+(``tests/models/test_conformance.py``) are generated from it. An architecture missing from the
+table that follows the conventions works anyway; ``python -m specfx.models.architectures
+--sweep`` checks every causal LM type transformers ships and prints the rows to add.
+
+Statuses:
+    supported   greedy output equals ``model.generate()`` (fp32, batch 1 and a left-padded
+                batch, generating past the sliding window where there is one), as target and
+                as draft; sampling runs.
+    refused     ``speculate()`` raises a ValueError naming the reason (recurrent or
+                linear-attention state, no KV cache, or the incremental-decoding probe: the
+                model's logits through specfx's cache, mask and positions differ from its
+                full forward, e.g. bidirectional heads or positions taken from the cache length).
+    unsupported known not to work yet; ``reason`` says why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["ARCHITECTURES", "ArchSpec", "COMPILED_SUBSET", "supported", "sweep"]
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """One row: status, what the architecture exercises, and tiny-config overrides."""
+
+    status: str
+    features: str = ""
+    reason: str = ""
+    overrides: dict = field(default_factory=dict)
+
+
+def _s(features: str = "", **overrides) -> ArchSpec:
+    return ArchSpec("supported", features, overrides=overrides)
+
+
+def _r(reason: str) -> ArchSpec:
+    return ArchSpec("refused", reason=reason)
+
+
+def _u(reason: str) -> ArchSpec:
+    return ArchSpec("unsupported", reason=reason)
+
+
+_STATE = "recurrent/linear-attention state (refused by speculate())"
+
+ARCHITECTURES: dict[str, ArchSpec] = {
+    # --- the issue's required set
+    "llama": _s("RoPE, GQA"),
+    "mistral": _s("sliding window on every layer"),
+    "qwen2": _s("QKV bias"),
+    "qwen3": _s("QK norm"),
+    "gemma": _s("scaled embeddings, GeGLU"),
+    "gemma2": _s("logit softcapping, alternating sliding/full layers (dict masks), eager attention"),
+    "phi3": _s("fused QKV, sliding window"),
+    "gpt2": _s("learned absolute positions, Conv1D"),
+    "gpt_neox": _s("partial rotary, parallel residual"),
+    "opt": _s("learned positions with offset 2"),
+    "falcon": _s("multi-query attention, parallel attention/MLP"),
+    "stablelm": _s("partial rotary, LayerNorm"),
+    "bloom": _r(
+        "refused by the incremental-decoding probe: builds its ALiBi bias from a 2-D padding mask and its causal mask from the same argument, "
+        "so one argument cannot carry both per-row positions and a 4-D mask (MPT's ALiBi works)"
+    ),
+    "mixtral": _s("mixture of experts, sliding window"),
+    "qwen2_moe": _s("mixture of experts with shared expert"),
+    # --- further decoder-only attention architectures verified by the sweep
+    **{
+        name: _s()
+        for name in (
+            "afmoe apertus arcee aria_text beam biogpt bitnet codegen cohere cohere2 cohere2_moe ctrl cwm "
+            "diffllama doge ernie4_5 exaone4 exaone_moe flex_olmo flint gemma3_text gemma4_unified_text glm "
+            "glm4 glm4_moe gpt-sw3 gpt_bigcode gpt_neox_japanese gpt_oss gptj granite granite_swa granitemoe "
+            "granitemoe_swa granitemoeshared helium hrm_text hunyuan_v1_dense hunyuan_v1_moe hy_v3 hyperclovax "
+            "internlm3 iquestcoder jais2 jetmoe kolibri1 laguna lfm2 llama4_text mellum mimo_v2_flash "
+            "minimax_m2 minimax_m3_vl_text ministral ministral3 modernbert-decoder nanochat nemotron olmo "
+            "olmo2 olmo3 olmoe persimmon phi phimoe qwen3_moe seed_oss smollm3 solar_open starcoder2 "
+            "vaultgemma xglm"
+        ).split()
+    },
+    "mpt": _s("ALiBi"),
+    # BERT-family LM heads are causal only with is_decoder=True (TINY_SIZES sets it); with
+    # is_decoder=False they attend bidirectionally and speculate() refuses them.
+    **{
+        name: _s("encoder used as a decoder (is_decoder=True)")
+        for name in (
+            "bert bert-generation camembert data2vec-text electra ernie megatron-bert rembert roberta "
+            "roberta-prelayernorm xlm-roberta xlm-roberta-xl"
+        ).split()
+    },
+    # --- refused with a clear error
+    **{
+        name: _r(_STATE)
+        for name in (
+            "bamba bailing_hybrid falcon_h1 falcon_mamba granitemoehybrid jamba kimi_linear lfm3 mamba mamba2 "
+            "nemotron_h olmo_hybrid qwen3_5_text qwen3_5_moe_text qwen3_next qwen4_exp_text recurrent_gemma "
+            "rwkv xlstm zamba zamba2 deepseek_v4"
+        ).split()
+    },
+    "minimax": _r("linear-attention layers (config.layer_types)"),
+    "hy_v4": _r("sparse indexed-attention layers (config.layer_types)"),
+    "inkling_text": _r("hybrid_sliding layers (config.layer_types)"),
+    "inkling2_text": _r("hybrid_sliding layers (config.layer_types)"),
+    **{
+        name: _r("derives positions from the cache length, not position_ids (caught by the incremental-decoding probe)")
+        for name in ("mvp", "trocr", "roformer")
+    },
+    "openai-gpt": _r("no KV cache (forward has no past_key_values)"),
+    "xlnet": _r("no KV cache (forward has no past_key_values)"),
+    # --- not yet
+    "bart": _u(
+        "decoder of an encoder-decoder; its generation config forces EOS (forced_eos_token_id, not implemented)"
+    ),
+    "mbart": _u("as bart: forced_eos_token_id is not implemented"),
+    "marian": _u("as bart: forced_eos_token_id is not implemented"),
+    "pegasus": _u("as bart: forced_eos_token_id is not implemented"),
+    "blenderbot-small": _u("as bart: forced_eos_token_id is not implemented"),
+    "gemma3n_text": _u("layers share KV across layers (KV-sharing layers write no cache)"),
+}
+
+# Compiled (one round graph, fullgraph) in CI: one per graph feature that eager tests cannot
+# vouch for (dict masks + softcapping + eager attention; mixture-of-experts routing).
+COMPILED_SUBSET = ("gemma2", "mixtral")
+
+
+def supported() -> list[str]:
+    return [name for name, spec in ARCHITECTURES.items() if spec.status == "supported"]
+
+
+def sweep(model_types=None, max_new_tokens: int = 40) -> list[tuple[str, str]]:
+    """Check model types (default: every causal LM type transformers ships) in eager mode:
+    greedy equality with ``model.generate()`` at batch 1 and for a left-padded batch, with a
+    perturbed copy as draft. Returns ``(model_type, result)`` rows."""
+    import torch
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    import specfx
+
+    from .tiny import perturbed_copy, tiny_causal_lm, tiny_config
+
+    rows = []
+    for mt in model_types or list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        spec = ARCHITECTURES.get(mt, ArchSpec("unknown"))
+        try:
+            cfg = tiny_config(mt, **spec.overrides)
+            with torch.device("meta"):
+                from transformers import AutoModelForCausalLM
+
+                n = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+            if n > 30e6:
+                rows.append((mt, f"skipped: tiny config still has {n / 1e6:.0f}M parameters"))
+                continue
+            target = tiny_causal_lm(mt, **spec.overrides)
+            spec_gen = specfx.speculate(
+                target, draft=perturbed_copy(target, 0.03), num_speculative_tokens=3, compile=False
+            )
+            g = torch.Generator().manual_seed(0)
+            ids = torch.randint(3, 128, (3, 10), generator=g)
+            mask = torch.ones_like(ids)
+            mask[0, :4] = 0
+            mask[1, :2] = 0
+            ids = ids.masked_fill(mask == 0, 0)
+            results = []
+            for x, m in ((ids[2:], None), (ids, mask)):
+                kw = dict(max_new_tokens=max_new_tokens, do_sample=False, attention_mask=m)
+                same = torch.equal(spec_gen.generate(x, **kw), target.generate(x, **kw))
+                results.append("equal" if same else "DIFFERENT")
+            rows.append((mt, f"batch 1 {results[0]}, padded batch {results[1]}"))
+        except Exception as e:  # a sweep reports every failure and goes on
+            rows.append((mt, f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"))
+    return rows
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sweep", action="store_true", help="check every causal LM type transformers ships")
+    parser.add_argument("types", nargs="*", help="model types to check (default: all)")
+    args = parser.parse_args()
+    if not (args.sweep or args.types):
+        for name, spec in ARCHITECTURES.items():
+            print(f"{name:24s} {spec.status:12s} {spec.features or spec.reason}")
+    else:
+        for mt, result in sweep(args.types or None):
+            print(f"{mt:28s} {ARCHITECTURES.get(mt, ArchSpec('not in table')).status:12s} {result}", flush=True)

@@ -1,0 +1,215 @@
+"""The conformance matrix, generated from specfx.models.architectures.ARCHITECTURES.
+
+Every supported architecture, eager mode: greedy equality with ``model.generate()`` at batch 1
+and for a left-padded batch (generating past the tiny configs' sliding window of 8), as a
+draft for a Llama target (cross-architecture pair sharing the vocabulary), and a sampling run.
+The compiled subset (COMPILED_SUBSET) runs the same greedy check through the compiled round.
+Refused architectures must raise a clear ValueError at ``speculate()``.
+
+Full matrix outside CI: ``python -m specfx.models.architectures --sweep``.
+"""
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import specfx
+from specfx.models.architectures import ARCHITECTURES, COMPILED_SUBSET, supported
+from specfx.models.tiny import perturbed_copy, tiny_causal_lm
+
+from ..conftest import prompt
+
+SUPPORTED = supported()
+_models = {}
+
+
+def _pair(arch):
+    if arch not in _models:
+        target = tiny_causal_lm(arch, **ARCHITECTURES[arch].overrides)
+        _models[arch] = (target, perturbed_copy(target, 0.03))
+    return _models[arch]
+
+
+def _ragged(batch=3, length=10):
+    ids = prompt(length, batch=batch, seed=5)
+    mask = torch.ones_like(ids)
+    for b in range(batch - 1):
+        mask[b, : 2 * (b + 1)] = 0  # rows of lengths 8, 6, ..., the last one unpadded
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def _check_greedy(spec, target, ids, mask, new):
+    kw = dict(max_new_tokens=new, do_sample=False, attention_mask=mask)
+    expected = target.generate(ids, **kw)
+    got = spec.generate(ids, **kw)
+    assert got.shape == expected.shape
+    assert torch.equal(got, expected), f"first differing row: {(got != expected).any(1).nonzero().flatten().tolist()}"
+
+
+def test_table_covers_the_required_set():
+    required = (
+        "llama mistral qwen2 qwen3 gemma gemma2 phi3 gpt2 gpt_neox opt falcon stablelm bloom mixtral qwen2_moe".split()
+    )
+    assert set(required) <= set(ARCHITECTURES)
+    assert all(ARCHITECTURES[a].status in ("supported", "refused", "unsupported") for a in ARCHITECTURES)
+    assert all(ARCHITECTURES[a].reason for a in ARCHITECTURES if ARCHITECTURES[a].status != "supported")
+
+
+@pytest.mark.parametrize("arch", SUPPORTED)
+def test_greedy_equals_hf(arch, one_thread):
+    target, draft = _pair(arch)
+    spec = specfx.speculate(target, draft=draft, num_speculative_tokens=3, compile=False)
+    _check_greedy(spec, target, prompt(12, seed=3), None, 40)
+    ids, mask = _ragged()
+    _check_greedy(spec, target, ids, mask, 30)
+    stats = spec.stats
+    assert len(stats.per_row_accepted) == 3 and sum(stats.per_row_accepted) == stats.accepted
+
+
+@pytest.mark.parametrize("arch", SUPPORTED)
+def test_as_draft_of_a_llama_target(arch, one_thread):
+    target, _ = _pair("llama")
+    draft, _ = _pair(arch)
+    spec = specfx.speculate(target, draft=draft, num_speculative_tokens=2, compile=False)
+    _check_greedy(spec, target, prompt(9, seed=4), None, 20)
+
+
+@pytest.mark.parametrize("arch", SUPPORTED)
+def test_sampling_run(arch, one_thread):
+    """Self-draft sampling: target and drafter distributions coincide, so rejection sampling
+    accepts (almost) every proposal; the call is reproducible under torch.manual_seed."""
+    target, _ = _pair(arch)
+    spec = specfx.speculate(target, draft=target, num_speculative_tokens=3, compile=False)
+    ids, mask = _ragged()
+    kw = dict(max_new_tokens=16, do_sample=True, top_k=20, temperature=0.9, attention_mask=mask)
+    torch.manual_seed(11)
+    first = spec.generate(ids, **kw)
+    torch.manual_seed(11)
+    second = spec.generate(ids, **kw)
+    assert torch.equal(first, second)
+    assert first.shape[0] == 3 and int(first.max()) < target.config.get_text_config().vocab_size
+    assert spec.stats.acceptance_rate > 0.95
+
+
+@pytest.mark.parametrize("arch", COMPILED_SUBSET)
+def test_compiled_greedy_equals_hf(arch, one_thread):
+    target, draft = _pair(arch)
+    spec = specfx.speculate(target, draft=draft, num_speculative_tokens=3)
+    ids, mask = _ragged(batch=2)
+    _check_greedy(spec, target, ids, mask, 30)
+    n = len(spec.graphs)
+    _check_greedy(spec, target, *_ragged(batch=2, length=13), 25)  # new contents, same batch size
+    assert len(spec.graphs) == n, "recompiled for new batch contents"
+
+
+def test_sliding_window_is_exercised(one_thread):
+    """Negative control: with its window the tiny Mistral generates something else than without
+    it, so the equality tests above really check sliding-window masks past the window."""
+    target, _ = _pair("mistral")
+    no_window = tiny_causal_lm("mistral", sliding_window=None)
+    no_window.load_state_dict(target.state_dict())
+    ids = prompt(12, seed=3)
+    a = target.generate(ids, max_new_tokens=40, do_sample=False)
+    b = no_window.generate(ids, max_new_tokens=40, do_sample=False)
+    assert not torch.equal(a, b)
+
+
+def test_mixed_layer_types_get_a_mask_per_type():
+    target, _ = _pair("gemma2")
+    runner = specfx.runner.ModelRunner(target, "target")
+    assert runner.mask_plan.by_type == {"sliding_attention": ("sliding", 8), "full_attention": ("full", None)}
+
+
+# model type -> config overrides giving a small instance; each must be refused at speculate().
+REFUSED = {
+    "mamba": dict(hidden_size=32, num_hidden_layers=2, state_size=4, vocab_size=64),
+    "rwkv": dict(hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64, vocab_size=64),
+    "jamba": dict(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=32,
+        num_experts=2,
+        vocab_size=64,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+    ),
+    "falcon_h1": dict(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=32,
+        vocab_size=64,
+        mamba_d_ssm=32,
+        mamba_n_heads=2,
+        mamba_d_head=16,
+        mamba_d_state=4,
+    ),
+    "qwen3_next": dict(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=32,
+        vocab_size=64,
+    ),
+    "xlnet": dict(d_model=32, n_layer=2, n_head=2, d_inner=32, vocab_size=64),
+    "openai-gpt": dict(n_embd=32, n_layer=2, n_head=2, vocab_size=64),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(REFUSED))
+def test_refused_with_a_reason(arch):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **REFUSED[arch])).eval()
+    with pytest.raises(ValueError, match=r"recurrent|linear-attention|KV cache|layers of type"):
+        specfx.speculate(model, draft=model, compile=False)
+
+
+@pytest.mark.parametrize("arch, overrides", [("bert", dict(is_decoder=False)), ("mvp", {}), ("roformer", {})])
+def test_incremental_probe_refuses(arch, overrides):
+    """Bidirectional heads and models that take positions from the cache length decode
+    differently through specfx's hooks than their own full forward: refused up front."""
+    model = tiny_causal_lm(arch, **overrides)
+    with pytest.raises(ValueError, match=r"does not decode incrementally.*is_decoder=True.*position_ids"):
+        specfx.speculate(model, draft=model, compile=False)
+
+
+def test_bloom_refused_with_the_failure():
+    model = tiny_causal_lm("bloom")
+    with pytest.raises(ValueError, match=r"failed when driven through a KV cache"):
+        specfx.speculate(model, draft=model, compile=False)
+
+
+def test_encoder_decoder_refused():
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    config = BartConfig(
+        vocab_size=64,
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+    )
+    model = BartForConditionalGeneration(config).eval()
+    with pytest.raises(ValueError, match=r"encoder-decoder"):
+        specfx.speculate(model, draft=model, compile=False)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma2"])
+def test_long_generation_past_window_and_capacity(arch, one_thread):
+    """300 tokens with a window of 8: far past the window, and past the first buffer capacity
+    (256), so the state is reallocated mid-life of the generator."""
+    target = tiny_causal_lm(arch, max_positions=1024)
+    spec = specfx.speculate(target, draft=perturbed_copy(target, 0.03), num_speculative_tokens=4, compile=False)
+    kw = dict(max_new_tokens=300, do_sample=False, eos_token_id=None)
+    ids = prompt(12, seed=9)
+    assert torch.equal(spec.generate(ids, **kw), target.generate(ids, **kw))
+    assert spec.state.tokens.shape[1] > 256

@@ -1,0 +1,59 @@
+"""Reduced precision: greedy output equals HF's, or first differs at a near-tie
+(specfx.precision states the rule)."""
+
+import pytest
+import torch
+
+import specfx
+from specfx.models.tiny import perturbed_copy, tiny_causal_lm
+from specfx.precision import check_greedy_agreement
+
+from .conftest import prompt
+
+
+def _ragged():
+    ids = prompt(10, batch=3, seed=8)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    mask[1, :1] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_reduced_precision_rule(arch, dtype, one_thread):
+    # A small initializer range gives close logits, so near-ties (and flips) really occur.
+    target = tiny_causal_lm(arch, initializer_range=0.05, dtype=dtype, seed=2)
+    spec = specfx.speculate(target, draft=perturbed_copy(target, 0.05), num_speculative_tokens=4, compile=False)
+    checked = 0
+    for ids, mask in [(prompt(12, seed=s), None) for s in range(4)] + [_ragged()]:
+        kw = dict(max_new_tokens=32, do_sample=False, attention_mask=mask)
+        reference = target.generate(ids, **kw)
+        got = spec.generate(ids, **kw)
+        for d in check_greedy_agreement(target, got, reference, mask):
+            assert d.near_tie, (
+                f"row {d.row} diverged at column {d.index} with a logit gap {d.gap:.4f} > {d.tolerance:.4f}"
+            )
+        checked += got.shape[0]
+    assert checked == 7
+
+
+def test_rule_flags_a_non_tie_divergence():
+    """Negative control: replacing a greedy token by the least likely one is not a near-tie."""
+    target = tiny_causal_lm("llama", dtype=torch.bfloat16)
+    ids = prompt(8, seed=1)
+    reference = target.generate(ids, max_new_tokens=6, do_sample=False)
+    with torch.no_grad():
+        logits = target(reference[:, :10]).logits[0, -1]
+    forged = reference.clone()
+    forged[0, 10] = int(logits.argmin())
+    (d,) = check_greedy_agreement(target, forged, reference)
+    assert d.index == 10 and not d.near_tie
+
+
+def test_float32_is_exact(one_thread):
+    target = tiny_causal_lm("llama", initializer_range=0.05, seed=2)
+    spec = specfx.speculate(target, draft=perturbed_copy(target, 0.05), num_speculative_tokens=4, compile=False)
+    ids = prompt(12, seed=0)
+    kw = dict(max_new_tokens=32, do_sample=False)
+    assert torch.equal(spec.generate(ids, **kw), target.generate(ids, **kw))

@@ -179,9 +179,9 @@ def stats_dict(stats, k: int) -> dict:
 
 
 def round_callable(spec):
-    """The generator's compiled round for its K (``_round_fn``; a dict when K varies)."""
-    fn = spec._round_fn
-    return fn[spec.k] if isinstance(fn, dict) else fn
+    """The generator's compiled round for its (fixed) K."""
+    fns = getattr(spec, "_round_fns", None)  # one round graph per K since adaptive K
+    return fns[spec.k] if fns else spec._round_fn
 
 
 def make_spec(target, draft, args, ctx: int):

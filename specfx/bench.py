@@ -106,8 +106,10 @@ def spinner(desc: str):
     bar = tqdm(desc=desc, total=None, bar_format="{desc}: {elapsed} elapsed", file=sys.stderr, leave=True)
     stop = threading.Event()
 
+    interval = 0.5 if sys.stderr.isatty() else 15.0  # a log file gets a line per refresh
+
     def tick():
-        while not stop.wait(0.5):
+        while not stop.wait(interval):
             bar.refresh()
 
     thread = threading.Thread(target=tick, daemon=True)

@@ -180,8 +180,17 @@ class MTP(Drafter):
                     f"MTP weights (the model was not loaded from such a checkpoint, or it was saved without them)"
                 )
             self.mtp = mtp_model.from_pretrained(model, device_map={"": target.device}).eval()
-        if self.mtp.embed_tokens.weight.shape[0] != target.model.get_input_embeddings().weight.shape[0]:
-            raise ValueError("MTP layers were built for a model with another vocabulary than the target's.")
+        if self.mtp.training:
+            raise ValueError(
+                "MTP(layers=...): the MtpModel is in training mode (dropout would change the drafts "
+                "from call to call); call .eval() on it first."
+            )
+        head = getattr(self.mtp, "shared_head", None)
+        if head is None or head.weight.data_ptr() != target.model.get_output_embeddings().weight.data_ptr():
+            raise ValueError(
+                "MTP(layers=...): these MTP layers were built for another model; they must share the "
+                "target's LM head, as MtpModel(target, n) and MtpModel.from_pretrained(target) make them."
+            )
         config = self.mtp.config
         self.layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * self.num_layers)
         self.windows = []

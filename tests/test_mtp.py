@@ -1,0 +1,254 @@
+"""Native MTP heads (``draft="mtp"`` / ``specfx.MTP``) on tiny random configs of every
+architecture whose transformers implementation has MTP layers and whose target specfx can
+drive (DeepSeek-V3: MLA + MoE; GLM-4-MoE; Mellum: sliding-window MTP layer). Hybrid
+linear-attention MTP models (BailingHybrid, Inkling) are refused by the core as targets.
+
+The MTP layers are random (``MtpModel(target, m)``), so acceptance is low, but the drafts
+must be *exactly* HF's: the oracle test replays every round's committed prefix through HF's
+own ``MtpModel.forward`` with a fresh ``MtpCache`` and compares the proposals.
+"""
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM, LogitsProcessorList
+
+import specfx
+from specfx import mtp as mtp_module
+from specfx.models.tiny import tiny_causal_lm
+from tests.conftest import prompt
+from tests.test_lossless import NEW, ROWS, _chisquare, _exact
+
+MtpModel = mtp_module.mtp_support()
+pytestmark = pytest.mark.skipif(MtpModel is None, reason="this transformers has no MtpModel (checked by capability)")
+
+_COMMON = dict(
+    hidden_size=64, intermediate_size=128, num_attention_heads=4, num_hidden_layers=2, max_position_embeddings=256,
+    initializer_range=0.3, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+)  # fmt: skip
+# Per architecture: overrides giving a tiny model (MoE with 4 experts) and the MTP depths it allows.
+MTP_ARCHS = {
+    "deepseek_v3": (
+        dict(num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, kv_lora_rank=16,
+             q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1,
+             first_k_dense_replace=1, n_shared_experts=1),
+        (1, 2, 3),
+    ),
+    "glm4_moe": (
+        dict(num_key_value_heads=2, head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+             n_group=1, topk_group=1, first_k_dense_replace=1, n_shared_experts=1),
+        (1, 2),
+    ),
+    "mellum": (  # its MTP layer is a sliding-window layer; the prompts below outgrow the window
+        dict(num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+             sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+        (1,),
+    ),
+}  # fmt: skip
+
+_cache = {}
+
+
+def mtp_target(arch: str, m: int, vocab: int = 128, seed: int = 0, **kw):
+    """(target, MtpModel) for a tiny ``arch`` with ``m`` random MTP layers (both eval)."""
+    key = (arch, m, vocab, seed, tuple(sorted(kw.items())))
+    if key not in _cache:
+        overrides, _ = MTP_ARCHS[arch]
+        config = AutoConfig.for_model(arch, **{**_COMMON, **overrides, "num_mtp_layers": m, "vocab_size": vocab, **kw})
+        torch.manual_seed(seed)
+        target = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+        target.generation_config.pad_token_id = 0
+        layers = MtpModel(target, m).eval()
+        # MtpModel is meant to be loaded from a checkpoint: its init leaves the experts' fused
+        # weights uninitialised and the router at zero, so give every matrix seeded values.
+        g = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for p in layers.layers.parameters():
+                if p.dim() >= 2:
+                    p.copy_(torch.randn(p.shape, generator=g) * config.initializer_range)
+        _cache[key] = (target, layers)
+    return _cache[key]
+
+
+CASES = [(arch, m) for arch, (_, depths) in MTP_ARCHS.items() for m in depths]
+
+
+def _left_padded(batch=3, length=10, seed=4, vocab=128, pads=(4, 7)):
+    ids = prompt(length, batch=batch, seed=seed, vocab=vocab)
+    mask = torch.ones_like(ids)
+    mask[0, : pads[0]] = 0
+    mask[-1, : pads[1]] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+@pytest.mark.parametrize(("arch", "m"), CASES)
+def test_greedy_equals_generate(arch, m, one_thread):
+    target, layers = mtp_target(arch, m)
+    for k in sorted({1, m, m + 2}):  # fewer, as many and more proposals than MTP layers
+        spec = specfx.speculate(target, draft=specfx.MTP(layers=layers), num_speculative_tokens=k, compile=False)
+        assert spec.drafter.name == "mtp"
+        for length, new in [(1, 9), (12, 23)]:
+            ids = prompt(length, seed=length + k)
+            assert torch.equal(spec.generate(ids, max_new_tokens=new), target.generate(ids, max_new_tokens=new))
+        ids, mask = _left_padded()
+        kw = dict(attention_mask=mask, max_new_tokens=15, eos_token_id=None, pad_token_id=0)
+        assert torch.equal(spec.generate(ids, **kw), target.generate(ids, **kw))
+
+
+class _Recording(specfx.MTP):
+    """Records, per round, the committed tokens, lengths and the proposals made."""
+
+    def propose(self, ctx):
+        proposals, q = super().propose(ctx)
+        self.rounds.append((ctx.lengths.clone(), ctx.tokens.clone(), proposals.clone()))
+        return proposals, q
+
+
+def _hf_drafts(target, layers, seq: list[int]) -> list[int]:
+    """HF's MTP drafts after committed tokens ``seq`` (the last one pending), computed from
+    scratch: the target's last hidden states over the prefix, then ``MtpModel.forward``."""
+    from transformers.cache_utils import MtpCache
+
+    ids = torch.tensor([seq])
+    n = len(seq) - 1
+    with torch.no_grad():
+        hidden = target(ids[:, :n], output_hidden_states=True).hidden_states[-1]
+        drafts, _, _ = layers(
+            input_ids=ids[:, 1:],
+            last_hidden_states=hidden,
+            attention_mask=None,
+            position_ids=torch.arange(1, n + 1).unsqueeze(0),
+            mtp_cache=MtpCache(config=target.config.get_mtp_config()),
+        )
+    return drafts[0].tolist()
+
+
+@pytest.mark.parametrize(("arch", "m"), CASES)
+def test_drafts_equal_hf_mtp_model_in_every_round(arch, m, one_thread):
+    """Small vocabulary: random drafts are accepted often enough that rounds commit 1..m+1
+    tokens, so the cache windows are exercised at every offset, in a left-padded batch."""
+    vocab, new = 8, 28
+    target, layers = mtp_target(arch, m, vocab=vocab, eos_token_id=None)
+    drafter = _Recording(layers=layers)
+    drafter.rounds = []
+    spec = specfx.speculate(target, draft=drafter, num_speculative_tokens=m, compile=False)
+    ids, mask = _left_padded(batch=2, length=6, vocab=vocab, pads=(1, 3))
+    kw = dict(attention_mask=mask, max_new_tokens=new, pad_token_id=0)
+    assert torch.equal(spec.generate(ids, **kw), target.generate(ids, **kw))
+    prompt_lengths = mask.sum(dim=1).tolist()
+    checked = 0
+    for lengths, tokens, proposals in drafter.rounds:
+        for b in range(2):
+            pending = int(lengths[b])
+            if pending + 1 - prompt_lengths[b] >= new:
+                continue  # finished row, carried along
+            assert proposals[b].tolist() == _hf_drafts(target, layers, tokens[b, : pending + 1].tolist())
+            checked += 1
+    assert checked >= 20
+    assert spec.stats.accepted > 0  # some rounds committed more than one token
+
+
+@pytest.mark.parametrize("arch", sorted(MTP_ARCHS))
+def test_sampling_matches_exact_distribution(arch, one_thread):
+    m = MTP_ARCHS[arch][1][-1]
+    target, layers = mtp_target(arch, m, vocab=6, seed=3, eos_token_id=None, initializer_range=0.12)
+    prompt_ids = [1, 4, 2]
+    probs = _exact(target, prompt_ids, LogitsProcessorList())
+    spec = specfx.speculate(target, draft=specfx.MTP(layers=layers), num_speculative_tokens=2, compile=False)
+    torch.manual_seed(99)
+    out = spec.generate(torch.tensor([prompt_ids]).repeat(ROWS, 1), do_sample=True, max_new_tokens=NEW, pad_token_id=0)
+    assert 0.05 < spec.stats.acceptance_rate < 0.95  # accept and correction paths both exercised
+    assert _chisquare(out[:, len(prompt_ids) :].tolist(), probs) > 1e-3
+
+
+@pytest.fixture
+def mellum_checkpoint(tmp_path):
+    """A Mellum checkpoint on disk whose model.safetensors also holds MTP weights under
+    ``mtp.`` (the layout transformers' MtpModel.from_pretrained reads), loaded back."""
+    target, layers = mtp_target("mellum", 1)
+    target.save_pretrained(tmp_path)
+    file = os.path.join(tmp_path, "model.safetensors")
+    tensors = load_file(file)
+    for name, t in layers.state_dict().items():
+        if not name.startswith(("embed_tokens.", "shared_head.")):  # shared with the target
+            tensors["mtp." + name] = t.contiguous()
+    save_file(tensors, file, metadata={"format": "pt"})
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
+    loaded.generation_config.pad_token_id = 0
+    return loaded, layers
+
+
+def test_draft_mtp_loads_layers_from_the_checkpoint_and_is_the_default(mellum_checkpoint, one_thread):
+    model, layers = mellum_checkpoint
+    assert mtp_module.has_mtp(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for spec in (specfx.speculate(model, draft="mtp", compile=False), specfx.speculate(model, compile=False)):
+        assert spec.drafter.name == "mtp"
+        loaded = spec.drafter.mtp.state_dict()
+        for name, t in layers.state_dict().items():
+            assert torch.equal(loaded[name], t), name
+        ids = prompt(11, seed=5)
+        assert torch.equal(spec.generate(ids, max_new_tokens=20), model.generate(ids, max_new_tokens=20))
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_has_mtp_needs_layers_in_config_and_weights_in_checkpoint():
+    assert not mtp_module.has_mtp(tiny_causal_lm("llama"))
+    target, _ = mtp_target("deepseek_v3", 1)
+    assert mtp_module.mtp_layer_count(target) == 1
+    assert not mtp_module.has_mtp(target)  # declared in the config, but no checkpoint holds them
+    assert specfx.speculate(target, compile=False).drafter.name != "mtp"
+
+
+@pytest.mark.parametrize(
+    ("model", "match"),
+    [
+        (lambda: tiny_causal_lm("llama"), r"has no MTP layers \(its config sets no num_mtp_layers\)"),
+        (lambda: mtp_target("deepseek_v3", 1)[0], r"declares 1 MTP layer\(s\) but its checkpoint .* holds no MTP weights"),
+    ],
+)
+def test_draft_mtp_on_a_model_without_mtp_layers_is_a_clear_error(model, match):
+    target = model()
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(ValueError, match=match):
+        specfx.speculate(target, draft="mtp", compile=False)
+    assert all(torch.equal(v, target.state_dict()[k]) for k, v in before.items())
+
+
+def test_draft_mtp_without_transformers_support_is_a_clear_error(monkeypatch):
+    target, _ = mtp_target("deepseek_v3", 1)
+    monkeypatch.setattr(mtp_module, "mtp_support", lambda: None)  # a transformers without MtpModel
+    assert not mtp_module.has_mtp(target)
+    with pytest.raises(ValueError, match=r"has no MTP support \(transformers.modeling_layers.MtpModel\); upgrade"):
+        specfx.speculate(target, draft="mtp", compile=False)
+
+
+def test_bad_mtp_arguments():
+    target, layers = mtp_target("deepseek_v3", 1)
+    with pytest.raises(TypeError, match="takes a transformers MtpModel"):
+        specfx.MTP(layers=target)
+    with pytest.raises(ValueError, match="'mtp' takes no argument"):
+        specfx.speculate(target, draft="mtp:2", compile=False)
+    other, _ = mtp_target("deepseek_v3", 1, seed=5)
+    with pytest.raises(ValueError, match="built for another model"):
+        specfx.speculate(other, draft=specfx.MTP(layers=layers), compile=False)
+    training = MtpModel(target, 1)  # nn.Module default: training mode
+    with pytest.raises(ValueError, match=r"training mode .* call .eval\(\)"):
+        specfx.speculate(target, draft=specfx.MTP(layers=training), compile=False)
+
+
+@pytest.mark.compiled
+def test_compiled_greedy_equals_generate_and_stays_warm(one_thread):
+    target, layers = mtp_target("deepseek_v3", 1)
+    spec = specfx.speculate(target, draft=specfx.MTP(layers=layers), num_speculative_tokens=2, compile=True)
+    ids = prompt(6, batch=2, seed=1)
+    assert torch.equal(spec.generate(ids, max_new_tokens=12), target.generate(ids, max_new_tokens=12))
+    assert len(spec.graphs) == 2  # one prefill graph, one round graph (fullgraph: no breaks)
+    round_graph = max(spec.graphs, key=lambda g: g.nodes)
+    # KV writes (keys, values): verify x 2 target layers + the MTP window + 1 chained draft step
+    assert dict(round_graph.report.sites)["check_static_kv"] == 2 * (2 + 1 + 1)
+    ids = prompt(9, batch=2, seed=2)
+    assert torch.equal(spec.generate(ids, max_new_tokens=10), target.generate(ids, max_new_tokens=10))
+    assert len(spec.graphs) == 2  # warm: nothing recompiled

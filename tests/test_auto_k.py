@@ -157,3 +157,16 @@ def test_bad_auto_configuration(kwargs, pattern):
     target = pair("llama", "self")[0]
     with pytest.raises(ValueError, match=pattern):
         specfx.speculate(target, compile=False, **kwargs)
+
+
+def test_default_cost_is_the_drafters_estimate():
+    target, perturbed = pair("llama", "perturbed")
+    small = pair("llama", "small")[1]
+    cost = {}
+    for name, draft in [("lookup", "prompt_lookup"), ("same size", perturbed), ("1 layer", small)]:
+        cost[name] = specfx.speculate(target, draft=draft, num_speculative_tokens="auto", compile=False).auto_k.cost
+    assert cost["lookup"] == specfx.drafters.VERIFY_COST
+    assert cost["same size"] == pytest.approx(specfx.drafters.VERIFY_COST + 1.0)
+    assert cost["lookup"] < cost["1 layer"] < cost["same size"]
+    spec = specfx.speculate(target, num_speculative_tokens="auto", auto_k_cost=0.5, compile=False)
+    assert spec.auto_k.cost == 0.5

@@ -41,14 +41,10 @@ import torch.nn.functional as F
 
 from .cache import SlotCache
 from .drafters import DEFAULT_DRAFTERS, NAMED_DRAFTERS, VERIFY_COST, Drafter, draft_token
-from .masks import check_attn_implementation
+from .masks import ATTENTION_LAYER_TYPES, build_mask, check_attn_implementation
 from .runner import ModelRunner
 
 __all__ = ["MTP", "has_mtp", "mtp_layer_count", "mtp_support"]
-
-# MTP layer types specfx can mask: type -> config attribute of the window (None: causal).
-_MTP_ATTENTION = {"full_attention": None, "sliding_attention": "sliding_window"}
-
 
 def mtp_support():
     """transformers' ``MtpModel`` class, or None when this transformers has no MTP support
@@ -193,14 +189,14 @@ class MTP(Drafter):
             )
         config = self.mtp.config
         self.layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * self.num_layers)
-        self.windows = []
+        self.patterns = []  # per MTP layer: ("full", None) | ("sliding", W) | ("chunked", S)
         for t in self.layer_types:
-            if t not in _MTP_ATTENTION:
+            if t not in ATTENTION_LAYER_TYPES:
                 raise ValueError(
-                    f"draft='mtp': MTP layers of type {t!r} are not supported (only {sorted(_MTP_ATTENTION)})."
+                    f"draft='mtp': MTP layers of type {t!r} are not supported (only {sorted(ATTENTION_LAYER_TYPES)})."
                 )
-            attr = _MTP_ATTENTION[t]
-            self.windows.append(None if attr is None else int(getattr(config, attr)))
+            kind, attr = ATTENTION_LAYER_TYPES[t]
+            self.patterns.append((kind, None if attr is None else int(getattr(config, attr))))
         self.mask_format = check_attn_implementation(self.mtp)
         self.target = target
         self.vocab = target.vocab_size
@@ -229,13 +225,13 @@ class MTP(Drafter):
     # ----------------------------------------------------------------- one MTP layer
     def _mask(self, i: int, positions: torch.Tensor) -> torch.Tensor:
         """``[B, 1, T, C]``: query at q sees slots ``i+1 <= j <= q`` (HF's MtpCache offsets)
-        within the layer's window; a query with ``q <= i`` (never a real draft) sees only slot
+        within the layer's window or chunk; a query with ``q <= i`` (never a real draft) sees only slot
         q, so no row is fully masked (SDPA would return NaN)."""
-        slots = torch.arange(self.cache.capacity, device=positions.device).view(1, 1, 1, -1)
+        capacity = self.cache.capacity
+        visible = build_mask(positions, capacity, "bool", self.target.dtype, self.patterns[i])
+        slots = torch.arange(capacity, device=positions.device).view(1, 1, 1, -1)
         q = positions.unsqueeze(1).unsqueeze(-1)  # [B, 1, T, 1]
-        visible = (slots <= q) & ((slots >= i + 1) | (slots == q))
-        if self.windows[i] is not None:
-            visible = visible & (slots > q - self.windows[i])
+        visible = visible & ((slots >= i + 1) | (slots == q))
         if self.mask_format == "bool":
             return visible
         zero = torch.zeros((), dtype=self.target.dtype, device=positions.device)

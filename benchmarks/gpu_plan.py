@@ -87,6 +87,8 @@ def build_model(shape: str, args, seed: int):
         model = AutoModelForCausalLM.from_config(
             llama_config(shape, args), dtype=getattr(torch, args.dtype), attn_implementation="sdpa"
         )
+    # a no-op when the device context took effect; guards against an init path that ignores it
+    model = model.to(args.device)
     model.generation_config.eos_token_id = None  # every method generates exactly --new-tokens
     model.generation_config.pad_token_id = 0
     return model.eval()

@@ -44,7 +44,7 @@ from .drafters import DEFAULT_DRAFTERS, NAMED_DRAFTERS, VERIFY_COST, Drafter, dr
 from .masks import ATTENTION_LAYER_TYPES, build_mask, check_attn_implementation
 from .runner import ModelRunner
 
-__all__ = ["MTP", "has_mtp", "mtp_layer_count", "mtp_support"]
+__all__ = ["MTP", "has_mtp", "mtp_layer_count", "mtp_support", "random_mtp_layers"]
 
 def mtp_support():
     """transformers' ``MtpModel`` class, or None when this transformers has no MTP support
@@ -112,6 +112,21 @@ def has_mtp(model) -> bool:
         return mtp_support() is not None and mtp_layer_count(model) > 0 and _checkpoint_has_mtp_weights(model)
     except Exception:  # a heuristic for the default choice must not break speculate()
         return False
+
+
+def random_mtp_layers(target, num_layers: int, std: float = 0.3, seed: int = 0):
+    """``MtpModel(target, num_layers)`` with seeded random matrices (norms at 1), in eval mode:
+    MTP layers for tests and benchmarks of the machinery (their drafts are meaningless).
+    ``MtpModel`` is meant to be loaded from a checkpoint, and its own init leaves e.g. fused
+    expert weights uninitialised, hence the explicit values. ``target.config`` must declare
+    ``num_mtp_layers``."""
+    layers = mtp_support()(target, num_layers).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in layers.layers.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    return layers
 
 
 def _no_mtp_error(model, why: str) -> ValueError:

@@ -60,14 +60,7 @@ def mtp_target(arch: str, m: int, vocab: int = 128, seed: int = 0, **kw):
         torch.manual_seed(seed)
         target = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
         target.generation_config.pad_token_id = 0
-        layers = MtpModel(target, m).eval()
-        # MtpModel is meant to be loaded from a checkpoint: its init leaves the experts' fused
-        # weights uninitialised and the router at zero, so give every matrix seeded values.
-        g = torch.Generator().manual_seed(seed + 1)
-        with torch.no_grad():
-            for p in layers.layers.parameters():
-                if p.dim() >= 2:
-                    p.copy_(torch.randn(p.shape, generator=g) * config.initializer_range)
+        layers = mtp_module.random_mtp_layers(target, m, std=config.initializer_range, seed=seed + 1)
         _cache[key] = (target, layers)
     return _cache[key]
 

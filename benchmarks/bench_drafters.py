@@ -15,7 +15,7 @@ Task: input-grounded code from the Python standard library (offline). Functions 
 demo pair's 256-token training context) are cut from the files the demo pair holds out of
 training (the path-hash rule of ``specfx.models.train_pair``), in a fixed order:
 
-    edit      the function, a blank line, then its first line again with the function renamed
+    edit      the function, two blank lines, then its first line again with the function renamed
               (``name`` -> ``name_v2``): a model that copies from its context continues with
               the body, i.e. the output repeats a span of the prompt
     complete  the function's first 3 lines only: the continuation is new code (little to copy)
@@ -121,10 +121,12 @@ def functions(encode, min_tokens: int, max_tokens: int) -> list[tuple[str, str, 
 
 
 def task_prompt(task: str, name: str, src: str) -> str:
+    # No trailing newline: BPE merges a newline with the next line's indentation, so a prompt
+    # ending in a bare newline would force a token boundary the model never saw in training.
     if task == "edit":
         first = src.splitlines()[0].replace(f"def {name}(", f"def {name}_v2(", 1)
-        return f"{src}\n\n\n{first}\n"
-    return "\n".join(src.splitlines()[:3]) + "\n"
+        return f"{src}\n\n\n{first}"
+    return "\n".join(src.splitlines()[:3])
 
 
 # ----------------------------------------------------------------------------- models

@@ -34,6 +34,11 @@ def check_causal_lm(model, role: str) -> None:
             f"{role} ({name}) is not a causal LM with an LM head. Load it with "
             f"AutoModelForCausalLM, not AutoModel or a classification head."
         )
+    from .models.architectures import ARCHITECTURES
+
+    declared = ARCHITECTURES.get(getattr(config, "model_type", None))
+    if declared is not None and declared.status == "unsupported":
+        raise ValueError(f"{role} ({name}) is not supported by specfx: {declared.reason}.")
     if getattr(model, "_is_stateful", False):
         raise ValueError(
             f"{role} ({name}) keeps recurrent or linear-attention state (Mamba/RWKV/hybrid-style "

@@ -9,6 +9,10 @@ and what makes the architecture interesting, and the conformance tests
 table that follows the conventions works anyway; ``python -m specfx.models.architectures
 --sweep`` checks every causal LM type transformers ships and prints the rows to add.
 
+The engine reads one declaration from here, for failures nothing in the config or graph
+reveals: the ``unsupported`` status (``speculate()`` refuses such a model with the recorded
+reason rather than risk wrong tokens).
+
 Statuses:
     supported   greedy output equals ``model.generate()`` (fp32, batch 1 and a left-padded
                 batch, generating past the sliding window where there is one), as target and
@@ -17,7 +21,8 @@ Statuses:
                 linear-attention state, no KV cache, or the incremental-decoding probe: the
                 model's logits through specfx's cache, mask and positions differ from its
                 full forward, e.g. bidirectional heads or positions taken from the cache length).
-    unsupported known not to work yet; ``reason`` says why.
+    unsupported known not to work yet; ``reason`` says why, and ``speculate()`` raises it (a
+                declared refusal, for failures no generic check catches).
 """
 
 from __future__ import annotations
@@ -86,12 +91,17 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ).split()
     },
     "mpt": _s("ALiBi"),
+    # multi-head latent attention (MLA): KV heads = query heads, as in the real checkpoints
+    **{
+        name: _s("multi-head latent attention", num_key_value_heads=4, head_dim=8)
+        for name in ("deepseek_v2 deepseek_v3 minicpm3 glm4_moe_lite youtu").split()
+    },
     # BERT-family LM heads are causal only with is_decoder=True (TINY_SIZES sets it); with
     # is_decoder=False they attend bidirectionally and speculate() refuses them.
     **{
         name: _s("encoder used as a decoder (is_decoder=True)")
         for name in (
-            "bert bert-generation camembert data2vec-text electra ernie megatron-bert rembert roberta "
+            "big_bird roc_bert bert bert-generation camembert data2vec-text electra ernie megatron-bert rembert roberta "
             "roberta-prelayernorm xlm-roberta xlm-roberta-xl"
         ).split()
     },
@@ -110,18 +120,15 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "inkling2_text": _r("hybrid_sliding layers (config.layer_types)"),
     **{
         name: _r("derives positions from the cache length, not position_ids (caught by the incremental-decoding probe)")
-        for name in ("mvp", "trocr", "roformer")
+        for name in ("mvp", "trocr", "roformer", "bart", "mbart", "marian", "pegasus", "bigbird_pegasus")
     },
     "openai-gpt": _r("no KV cache (forward has no past_key_values)"),
     "xlnet": _r("no KV cache (forward has no past_key_values)"),
     # --- not yet
-    "bart": _u(
-        "decoder of an encoder-decoder; its generation config forces EOS (forced_eos_token_id, not implemented)"
+    "blenderbot-small": _u("its generation config forces EOS (forced_eos_token_id), which specfx does not implement"),
+    "moshi": _u(
+        "passes the incremental-decoding probe but greedy output differs from its generate(); not investigated"
     ),
-    "mbart": _u("as bart: forced_eos_token_id is not implemented"),
-    "marian": _u("as bart: forced_eos_token_id is not implemented"),
-    "pegasus": _u("as bart: forced_eos_token_id is not implemented"),
-    "blenderbot-small": _u("as bart: forced_eos_token_id is not implemented"),
     "gemma3n_text": _u("layers share KV across layers (KV-sharing layers write no cache)"),
 }
 

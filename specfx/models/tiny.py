@@ -106,7 +106,8 @@ def perturbed_copy(model, noise: float, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in draft.parameters():
-            p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * noise * p.std().clamp_min(1e-3))
+            spread = p.std() if p.numel() > 1 else p.abs().reshape(())
+            p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * noise * spread.clamp_min(1e-3))
     return draft
 
 

@@ -213,3 +213,11 @@ def test_long_generation_past_window_and_capacity(arch, one_thread):
     ids = prompt(12, seed=9)
     assert torch.equal(spec.generate(ids, **kw), target.generate(ids, **kw))
     assert spec.state.tokens.shape[1] > 256
+
+
+@pytest.mark.parametrize("arch", [a for a, s in ARCHITECTURES.items() if s.status == "unsupported" and a != "gemma3n_text"])
+def test_declared_unsupported_refused(arch):
+    """Failures no generic check catches are declared in the table and refused with the reason."""
+    model = tiny_causal_lm(arch, **ARCHITECTURES[arch].overrides)
+    with pytest.raises(ValueError, match=r"is not supported by specfx: "):
+        specfx.speculate(model, draft=model, compile=False)

@@ -32,7 +32,7 @@ import torch
 from torch import fx, nn
 
 from .drafters import NAMED_DRAFTERS, VERIFY_COST, Drafter, draft_token
-from .passes.early_exit import early_exit
+from .passes.early_exit import EarlyExitError, early_exit
 from .runner import ModelRunner
 
 __all__ = ["EarlyExit", "ExitGraph", "capture_early_exit", "decoder_layer_names"]
@@ -95,8 +95,15 @@ def capture_early_exit(runner: ModelRunner, exit_layer: int, batch_size: int, to
     ids = torch.zeros((batch_size, tokens), dtype=torch.long, device=device)
     positions = torch.zeros_like(ids)
     slots = torch.full_like(ids, runner.cache.trash_slot)
-    with torch.no_grad():
-        torch.compile(_fresh_code(forward), backend=backend, fullgraph=True, dynamic=False)(ids, positions, slots)
+    try:
+        with torch.no_grad():
+            torch.compile(_fresh_code(forward), backend=backend, fullgraph=True, dynamic=False)(ids, positions, slots)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise EarlyExitError(
+            f"early exit: capturing {type(runner.model).__name__}'s forward as one graph failed "
+            f"({type(e).__name__}: {first}); the cut needs a forward Dynamo traces without graph breaks."
+        ) from e
     (gm, example_inputs), = captured
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     dynamic = {id(ids): "ids", id(positions): "positions", id(slots): "slots"}

@@ -33,6 +33,21 @@ def test_greedy_equals_generate(arch, layer, one_thread):
     assert spec.stats.proposed > 0
 
 
+@pytest.mark.parametrize("arch", ["mistral", "gemma2", "falcon", "gpt_neox", "mixtral", "deepseek_v3"])
+def test_generic_cut_on_other_architectures(arch, one_thread):
+    """Sliding windows, dict masks + softcapping, parallel attention/MLP, partial rotary, MoE,
+    latent attention: the same cut, no per-architecture code."""
+    from specfx.models.architectures import ARCHITECTURES
+
+    target = tiny_causal_lm(arch, num_layers=3, **ARCHITECTURES[arch].overrides)
+    spec = specfx.speculate(target, draft="early_exit:2", num_speculative_tokens=3, compile=False)
+    ids = prompt(10, batch=2, seed=0)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=20, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(spec.generate(ids.masked_fill(mask == 0, 0), **kw), target.generate(ids.masked_fill(mask == 0, 0), **kw))
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_left_padded_batch_matches_batched_generate(arch, one_thread):
     target = _target(arch)

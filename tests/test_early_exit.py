@@ -52,6 +52,8 @@ def test_generic_cut_on_other_architectures(arch, one_thread):
 def test_left_padded_batch_matches_batched_generate(arch, one_thread):
     target = _target(arch)
     spec = specfx.speculate(target, draft=specfx.EarlyExit(layer=2), num_speculative_tokens=4, compile=False)
+    single = prompt(5, seed=8)  # batch 1 first: the batch of 3 then re-allocates and re-captures
+    assert torch.equal(spec.generate(single, max_new_tokens=9), target.generate(single, max_new_tokens=9))
     ids = prompt(10, batch=3, seed=4)
     mask = torch.ones_like(ids)
     mask[0, :4] = 0

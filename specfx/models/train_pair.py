@@ -24,7 +24,9 @@ Steps, each deterministic for a given ``--seed``:
    draft to agree with the target, which is what acceptance measures. Batches are random windows
    of ``--context + 1`` tokens of the concatenated training stream, drawn from a generator seeded
    with ``(seed, step)``, so a resumed run sees exactly the batches an uninterrupted one would.
-   AdamW, linear warm-up then cosine decay to 10 %, gradient clipping at 1.
+   AdamW, linear warm-up then cosine decay to 10 %, gradient clipping at 1. A second phase of
+   ``--draft-steps`` steps then distills the draft alone (KL only) from the frozen target on
+   further batches: cheap (no target backward) and what raises acceptance most.
 4. **Checkpoints.** Every ``--ckpt-every`` steps the weights and optimizer moments go to
    ``ckpt/state.safetensors`` (safetensors only; nothing is pickled) with ``ckpt/meta.json``;
    rerunning the same command resumes from there (``--stop-after STEP`` ends a run early at a
@@ -36,9 +38,9 @@ Steps, each deterministic for a given ``--seed``:
    both to DIR in ``--dtype`` (float16 / bfloat16 for shipping) without training further.
 
 Defaults are the shipped pair's run (``specfx/models/demo_pair``), sized for a 2-core CPU:
-550 steps of 16 x 256 tokens (2.25 M tokens, about a quarter of the training stream) took
-about 75 minutes on one core of a shared machine. On a GPU pass ``--device cuda`` and larger
-``--target-hidden/--target-layers/--steps``.
+550 joint steps of 16 x 256 tokens (2.25 M tokens, about a quarter of the training stream;
+47 minutes on one core of a shared machine), then 600 draft-only steps (16 minutes). On a GPU
+pass ``--device cuda`` and larger ``--target-hidden/--target-layers/--steps``.
 """
 
 from __future__ import annotations
@@ -86,6 +88,9 @@ class TrainConfig:
         steps: optimizer steps; batch_size: sequences per step.
         lr / draft_lr: peak learning rates; warmup: warm-up steps; weight_decay: AdamW decay.
         distill: weight of KL(target || draft) in the draft's loss (0 = plain language modelling).
+        draft_steps: steps of a second phase after the joint one: the target is frozen and the
+            draft alone is distilled (loss = KL(target || draft) only) on further batches.
+        draft_phase_lr: peak learning rate of that phase (10 warm-up steps, cosine to 10 %).
         ckpt_every: steps between checkpoints.
         eval_tokens: held-out tokens used for the held-out loss.
     """
@@ -111,6 +116,8 @@ class TrainConfig:
     warmup: int = 30
     weight_decay: float = 0.1
     distill: float = 0.5
+    draft_steps: int = 600
+    draft_phase_lr: float = 1e-3
     ckpt_every: int = 100
     eval_tokens: int = 65536
 
@@ -284,6 +291,25 @@ def heldout_loss(model, stream: np.ndarray, cfg: TrainConfig, device) -> float:
     return total / count
 
 
+def draft_phase_step(models: dict, opt, inputs, labels, s: int, cfg: TrainConfig) -> tuple[float, float]:
+    """One step of the draft-only phase (step ``s`` of ``cfg.draft_steps``): KL to the frozen
+    target's predictions. Returns (KL, the draft's cross-entropy, for the log)."""
+    warm = 10
+    t = (s - warm) / max(1, cfg.draft_steps - warm)
+    lr = cfg.draft_phase_lr * ((s + 1) / warm if s < warm else 0.1 + 0.45 * (1 + math.cos(math.pi * min(t, 1.0))))
+    for group in opt.param_groups:
+        group["lr"] = lr
+    with torch.no_grad():
+        t_logp = models["target"](inputs).logits.flatten(0, 1).log_softmax(-1)
+    d_logits = models["draft"](inputs).logits.flatten(0, 1)
+    kl = F.kl_div(d_logits.log_softmax(-1), t_logp, log_target=True, reduction="batchmean")
+    opt.zero_grad(set_to_none=True)
+    kl.backward()
+    torch.nn.utils.clip_grad_norm_(models["draft"].parameters(), 1.0)
+    opt.step()
+    return kl.item(), F.cross_entropy(d_logits.detach(), labels).item()
+
+
 def prepare(out: Path, cfg: TrainConfig):
     """Corpus split, tokenizer and token streams (cached in ``out``)."""
     from transformers import AutoTokenizer
@@ -331,7 +357,14 @@ def train(
         torch.set_num_threads(threads)
     out.mkdir(parents=True, exist_ok=True)
     cfg_path = out / "config.json"
-    if (out / "ckpt" / "meta.json").exists() and json.loads(cfg_path.read_text()) != asdict(cfg):
+    # These only affect steps after the joint phase (or nothing trained), so a finished joint
+    # run may be resumed with new values.
+    free = {"draft_steps", "draft_phase_lr", "ckpt_every", "eval_tokens"}
+
+    def fixed(c: dict) -> dict:
+        return {k: v for k, v in c.items() if k not in free}
+
+    if (out / "ckpt" / "meta.json").exists() and fixed(json.loads(cfg_path.read_text())) != fixed(asdict(cfg)):
         raise ValueError(
             f"{out} holds a checkpoint of a run with a different configuration ({cfg_path}); "
             f"pass a new --out, or the same options to resume."
@@ -352,12 +385,24 @@ def train(
     for role, m in models.items():
         logger.info("%s: %.2f M parameters", role, n_params(m) / 1e6)
 
-    bar = tqdm(total=cfg.steps, initial=step, desc="training target+draft", unit="step", dynamic_ncols=True)
+    total = cfg.steps + cfg.draft_steps
+    bar = tqdm(total=total, initial=step, desc="training target+draft", unit="step", dynamic_ncols=True)
     t0, tokens = time.perf_counter(), 0
-    last = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+    last = total if stop_after is None else min(total, stop_after)
     while step < last:
         x = batch_at(streams["train"], step, cfg).to(device)
         inputs, labels = x[:, :-1], x[:, 1:].flatten()
+        if step >= cfg.steps:  # second phase: the draft alone, distilled from the frozen target
+            kl, d_ce = draft_phase_step(models, opts["draft"], inputs, labels, step - cfg.steps, cfg)
+            step += 1
+            tokens += inputs.numel()
+            bar.update(1)
+            bar.set_postfix(draft_ce=f"{d_ce:.3f}", kl=f"{kl:.3f}", tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
+            if step % 25 == 0 or step == last:
+                history.append({"step": step, "draft_ce": d_ce, "kl": kl})
+            if step % cfg.ckpt_every == 0 or step == last:
+                save_checkpoint(ckpt, step, models, opts, history)
+            continue
         for role in models:
             for group in opts[role].param_groups:
                 group["lr"] = lr_at(step, cfg, peaks[role])

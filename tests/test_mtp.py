@@ -1,7 +1,8 @@
 """Native MTP heads (``draft="mtp"`` / ``specfx.MTP``) on tiny random configs of every
 architecture whose transformers implementation has MTP layers and whose target specfx can
-drive (DeepSeek-V3: MLA + MoE; GLM-4-MoE; Mellum: sliding-window MTP layer). Hybrid
-linear-attention MTP models (BailingHybrid, Inkling) are refused by the core as targets.
+drive (DeepSeek-V3: MLA + MoE; GLM-4-MoE; Mellum: sliding-window MTP layer). The others
+(BailingHybrid, Inkling, Nemotron-H, DeepSeek-V4: recurrent/linear/hybrid state) are refused by
+the core as targets, which is tested too.
 
 The MTP layers are random (``MtpModel(target, m)``), so acceptance is low, but the drafts
 must be *exactly* HF's: the oracle test replays every round's committed prefix through HF's
@@ -208,6 +209,18 @@ def test_draft_mtp_on_a_model_without_mtp_layers_is_a_clear_error(model, match):
     with pytest.raises(ValueError, match=match):
         specfx.speculate(target, draft="mtp", compile=False)
     assert all(torch.equal(v, target.state_dict()[k]) for k, v in before.items())
+
+
+@pytest.mark.parametrize("arch", ["bailing_hybrid", "inkling_text", "nemotron_h", "deepseek_v4"])
+def test_other_mtp_architectures_are_refused_as_targets(arch):
+    """The remaining transformers models with MTP support keep recurrent, linear-attention or
+    hybrid state, which specfx cannot roll back per row: refused by the core, MTP or not."""
+    from specfx.models.architectures import ARCHITECTURES
+
+    spec = ARCHITECTURES.get(arch)
+    target = tiny_causal_lm(arch, **(spec.overrides if spec else {}))
+    with pytest.raises(ValueError, match="state|cannot roll back"):
+        specfx.speculate(target, draft="mtp", compile=False)
 
 
 def test_draft_mtp_without_transformers_support_is_a_clear_error(monkeypatch):

@@ -477,7 +477,7 @@ def export_pair(run: Path, dest: Path, dtype: str = "float16") -> None:
 
 def heldout_prompts(root: Path, files: list[str], n: int = 12, lines: int = 6) -> list[dict]:
     """Up to ``n`` code prompts from held-out files: in each file (in order) the first ``def``
-    past its first 20 lines, with the ``lines - 1`` lines after it."""
+    past its first 20 lines, with the ``lines - 1`` lines after it (without the last newline)."""
     prompts = []
     for rel in files:
         try:
@@ -486,7 +486,9 @@ def heldout_prompts(root: Path, files: list[str], n: int = 12, lines: int = 6) -
             continue
         for i in range(20, len(text) - lines):
             if text[i].lstrip().startswith("def ") and all(t.strip() for t in text[i : i + lines]):
-                prompts.append({"file": rel, "line": i + 1, "text": "".join(text[i : i + lines])})
+                # No trailing newline: BPE merges a newline with the next line's indentation, so
+                # a prompt ending in a bare "\n" token would start from an unusual token.
+                prompts.append({"file": rel, "line": i + 1, "text": "".join(text[i : i + lines]).rstrip("\n")})
                 break
         if len(prompts) == n:
             break

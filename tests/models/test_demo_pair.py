@@ -82,10 +82,10 @@ def test_greedy_acceptance_equals_independent_count(demo, k):
         total_accepted += accepted
         total_rounds += rounds
     # The trained pair agrees far above chance (a random draft: ~1/4096 per proposal). On these
-    # two prompts it accepts 1.7 (K = 2) and 3.0 (K = 4) proposals per round; over 12 held-out
-    # prompts 1.3 and 1.9 (MODEL_CARD.md). Broken weights, or a drafter that proposes garbage,
+    # two prompts it accepts 1.2 (K = 2) and 1.9 (K = 4) proposals per round; over 12 held-out
+    # prompts 1.3 and 2.0 (MODEL_CARD.md). Broken weights, or a drafter that proposes garbage,
     # fall far below this floor.
-    assert total_accepted / total_rounds > 0.8
+    assert total_accepted / total_rounds > 0.6
 
 
 def test_batched_acceptance_is_counted_per_row(demo):

@@ -56,6 +56,7 @@ BASELINE = "hf_dynamic"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    """Parse ``specfx bench`` arguments; adds ``k_values``, ``batch_values`` and ``skip_set``."""
     p = argparse.ArgumentParser(
         prog="specfx bench", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
     )
@@ -369,6 +370,7 @@ def markdown_table(runs: dict) -> str:
 
 
 def main(argv=None) -> int:
+    """``specfx bench``: returns 0, or 1 if a method's greedy output differs from HF's."""
     import transformers
 
     import specfx

@@ -496,6 +496,7 @@ def heldout_prompts(root: Path, files: list[str], n: int = 12, lines: int = 6) -
 
 
 def main(argv=None) -> int:
+    """``python -m specfx.models.train_pair``: train (or resume) a pair, or ``--export`` one."""
     parser = argparse.ArgumentParser(
         prog="python -m specfx.models.train_pair",
         description=__doc__.split("\n\n")[0],

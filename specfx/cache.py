@@ -32,8 +32,8 @@ class SlotLayer(CacheLayerMixin):
         self.owner = owner
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        b, h, _, _ = key_states.shape
-        cap = self.owner.capacity
+        _, h, _, _ = key_states.shape
+        b, cap = self.owner.rows.shape[0], self.owner.capacity  # all rows, even from a one-row forward
         self.keys = key_states.new_zeros((b, h, cap, key_states.shape[-1]))  # [B, H, C, Dk]
         self.values = value_states.new_zeros((b, h, cap, value_states.shape[-1]))  # [B, H, C, Dv]
         if self.keys.is_cuda:
@@ -48,8 +48,13 @@ class SlotLayer(CacheLayerMixin):
         slots = self.owner.slots  # [B, T]
         rows = self.owner.rows  # [B, 1]
         # buffer[b, :, slots[b, t]] = new[b, :, t]; advanced indices first -> value is [B, T, H, D]
+        row = self.owner.row
+        if row is not None:  # one row at a time (ModelRunner's rowwise protocol)
+            rows = rows[row : row + 1]
         self.keys[rows, :, slots] = key_states.transpose(1, 2).to(self.keys.dtype)
         self.values[rows, :, slots] = value_states.transpose(1, 2).to(self.values.dtype)
+        if row is not None:
+            return self.keys[row : row + 1], self.values[row : row + 1]
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -71,6 +76,8 @@ class SlotCache(Cache):
         capacity: slots per row; the last one is the trash slot for padding.
         slots: ``[B, T]`` int64, where the current forward writes each new token.
         rows: ``[B, 1]`` int64, ``arange(B)`` for the scatter.
+        row, query_offset: the row and first query position of a one-row forward (the
+            rowwise protocol for models that need a 2-D mask; None/unused otherwise).
     """
 
     def __init__(self, num_layers: int, batch_size: int, capacity: int, device: torch.device):
@@ -78,6 +85,13 @@ class SlotCache(Cache):
         super().__init__(layers=[SlotLayer(self) for _ in range(num_layers)])
         self.rows = torch.arange(batch_size, device=device).unsqueeze(1)
         self.slots = torch.zeros((batch_size, 1), dtype=torch.long, device=device)
+        self.row: int | None = None  # set: forwards see only this row (rowwise protocol)
+        self.query_offset = torch.zeros((), dtype=torch.long, device=device)
+
+    def get_query_offset(self, layer_idx: int = 0) -> torch.Tensor:
+        """Position of the first query of the current forward (rowwise protocol: transformers
+        builds the causal mask from it; with explicit 4-D masks it is never asked)."""
+        return self.query_offset
 
     @property
     def trash_slot(self) -> int:
@@ -85,6 +99,4 @@ class SlotCache(Cache):
 
     @property
     def nbytes(self) -> int:
-        return sum(
-            layer.keys.nbytes + layer.values.nbytes for layer in self.layers if layer.is_initialized
-        )
+        return sum(layer.keys.nbytes + layer.values.nbytes for layer in self.layers if layer.is_initialized)

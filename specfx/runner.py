@@ -71,6 +71,9 @@ class ModelRunner:
         self.config_vocab_size = config.vocab_size
         self.max_positions = getattr(config, "max_position_embeddings", None)
         self.cache: SlotCache | None = None
+        # "mask_4d": explicit 4-D masks (every conforming model); "rowwise_2d": the fallback
+        # chosen by the probe when the 4-D protocol fails (see _forward_rowwise).
+        self.protocol = "mask_4d"
         self._check_incremental()
 
     def _check_incremental(self) -> None:
@@ -86,26 +89,41 @@ class ModelRunner:
         ids = (torch.arange(6, device=self.device) * 7 + 3).remainder(self.vocab_size).unsqueeze(0)
         pos = torch.arange(6, device=self.device).unsqueeze(0)
         kwargs = {"position_ids": pos} if "position_ids" in inspect.signature(model.forward).parameters else {}
-        try:
-            with torch.no_grad():
-                full = model(input_ids=ids, use_cache=False, **kwargs).logits.float()
-                self.allocate(1, 16)
-                first = self.forward(ids[:, :3], pos[:, :3], pos[:, :3])
-                steps = torch.cat([first, self.forward(ids[:, 3:], pos[:, 3:], pos[:, 3:])], dim=1).float()
-        except Exception as e:
+        with torch.no_grad():
+            full = model(input_ids=ids, use_cache=False, **kwargs).logits.float()
+        failure = self._probe(ids, pos, full)
+        if failure is not None and self.mask_plan.single == ("full", None):
+            self.protocol = "rowwise_2d"  # e.g. ALiBi from a 2-D mask (Bloom)
+            if self._probe(ids, pos, full) is None:
+                return
+            self.protocol = "mask_4d"
+        if isinstance(failure, Exception):
             raise ValueError(
                 f"{self.role} ({type(model).__name__}) failed when driven through a KV cache with an "
-                f"explicit 4-D mask and position_ids ({type(e).__name__}: {e}); specfx cannot speculate it."
-            ) from e
-        finally:
-            self.cache = None
-        if (steps - full).abs().max() > 0.1 * full.std() + 1e-4:
+                f"explicit 4-D mask and position_ids ({type(failure).__name__}: {failure}); specfx cannot "
+                f"speculate it."
+            ) from failure
+        if failure is not None:
             raise ValueError(
                 f"{self.role} ({type(model).__name__}) does not decode incrementally like its full "
                 f"forward: it attends to later tokens (BERT-style heads need is_decoder=True), or "
                 f"derives positions from the cache length rather than position_ids. specfx cannot "
                 f"speculate it."
             )
+
+    def _probe(self, ids, pos, full):
+        """None if 3 + 3 tokens through the current protocol give ``full``'s logits; else the
+        exception raised or True (mismatch)."""
+        try:
+            with torch.no_grad():
+                self.allocate(1, 16)
+                first = self.forward(ids[:, :3], pos[:, :3], pos[:, :3])
+                steps = torch.cat([first, self.forward(ids[:, 3:], pos[:, 3:], pos[:, 3:])], dim=1).float()
+        except Exception as e:  # reported by the caller, which names the model
+            return e
+        finally:
+            self.cache = None
+        return True if (steps - full).abs().max() > 0.1 * full.std() + 1e-4 else None
 
     @property
     def device(self) -> torch.device:
@@ -133,18 +151,44 @@ class ModelRunner:
         and an out-of-range learned position embedding would fault inside a kernel.
         """
         cache = self.cache
+        if self.protocol == "rowwise_2d":
+            return self._forward_rowwise(ids, positions, slots, return_hidden)
         cache.slots = slots
         mask = self.mask_plan.build(positions, cache.capacity, self.mask_format, self.dtype)
+        return self._call(ids, mask, positions, return_hidden)
+
+    def _call(self, ids, mask, positions, return_hidden):
         if self.max_positions is not None:
             positions = positions.clamp(max=self.max_positions - 1)
         out = self.model(
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
-            past_key_values=cache,
+            past_key_values=self.cache,
             use_cache=True,
             **({"output_hidden_states": True} if return_hidden else {}),
         )
         if return_hidden:
             return out.logits, out.hidden_states[-1]
         return out.logits
+
+    def _forward_rowwise(self, ids, positions, slots, return_hidden):
+        """The fallback protocol for models that need a 2-D padding mask (Bloom builds its ALiBi
+        bias from it): one forward per row, each with a 2-D mask over every slot and the
+        row's query offset given through the cache (``get_query_offset``), from which
+        transformers builds the causal mask itself. Row b's last column is real (left padding),
+        so its queries start at ``positions[b, -1] - (T - 1)``; padding queries fall below 0
+        and see nothing. Exact, but B forwards instead of one."""
+        cache = self.cache
+        t = ids.shape[1]
+        mask = torch.ones((1, cache.capacity), dtype=torch.long, device=ids.device)
+        outs = []
+        for b in range(ids.shape[0]):
+            cache.row = b
+            cache.slots = slots[b : b + 1]
+            cache.query_offset = positions[b, -1] - (t - 1)
+            outs.append(self._call(ids[b : b + 1], mask, positions[b : b + 1], return_hidden))
+        cache.row = None
+        if return_hidden:
+            return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+        return torch.cat(outs)

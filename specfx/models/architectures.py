@@ -70,10 +70,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "opt": _s("learned positions with offset 2"),
     "falcon": _s("multi-query attention, parallel attention/MLP"),
     "stablelm": _s("partial rotary, LayerNorm"),
-    "bloom": _r(
-        "refused by the incremental-decoding probe: builds its ALiBi bias from a 2-D padding mask and its causal mask from the same argument, "
-        "so one argument cannot carry both per-row positions and a 4-D mask (MPT's ALiBi works)"
-    ),
+    "bloom": _s("ALiBi built from a 2-D padding mask: the rowwise protocol the probe falls back to"),
     "mixtral": _s("mixture of experts, sliding window"),
     "qwen2_moe": _s("mixture of experts with shared expert"),
     # --- further decoder-only attention architectures verified by the sweep

@@ -55,7 +55,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from bench_core import BASELINE, bench_end_to_end, cpu_name, log, n_params
+from common import BASELINE, bench_end_to_end, cpu_name, log, n_params
 
 import specfx
 from specfx.models.tiny import tiny_causal_lm

@@ -55,7 +55,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 
 import specfx  # noqa: E402
-from benchmarks.bench_core import first_mismatch, hf_compile_config, log, make_sync, run_all  # noqa: E402
+from benchmarks.common import first_mismatch, hf_compile_config, log, make_sync, run_all  # noqa: E402
 from benchmarks.floor import (  # noqa: E402
     decode_floor_seconds,
     device_time,

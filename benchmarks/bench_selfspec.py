@@ -45,8 +45,8 @@ from pathlib import Path
 
 import torch
 import transformers
-from bench_core import BASELINE, bench_end_to_end, cpu_name, log, n_params
 from bench_drafters import DEMO_TARGET, functions, load_target, task_prompt
+from common import BASELINE, bench_end_to_end, cpu_name, log, n_params
 
 import specfx
 from specfx.early_exit import decoder_layer_names

@@ -21,7 +21,7 @@ import math
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from benchmarks.bench_core import log
+from benchmarks.common import log
 from benchmarks.floor import forward_bytes, meta_model
 from benchmarks.oracle import expected_acceptance
 

@@ -29,6 +29,23 @@ HF assisted generation reads ``num_assistant_tokens``, its schedule and
 ``target.generate()`` they land in the target's config and are ignored), so K, "constant" and
 threshold 0 are set on the draft's config.
 
+Round overhead (``--round-overhead``; DESIGN.md, "Performance, measured honestly"): for each
+specfx method with a draft model, after its timed runs, ``overhead = round / (K x draft step +
+verify)``, each part the median of ``--micro-iters`` individually timed calls, measured
+separately on the generator's own runners and static caches (at the batch's size):
+
+    round       ``spec._round_fn()`` launched directly after a generate call has finished (the
+                fixed-shape round does the same work for finished rows; only its writes are
+                masked): the round as launched, without the host loop
+    draft step  one 1-token forward of the draft model
+    verify      one (K+1)-token forward of the target
+
+For a compiled generator the parts are compiled too (Inductor, ``fullgraph=True``), so the
+ratio is the round machinery's cost over the bare forwards it runs. Each part runs in a loop
+of itself (its weights stay hot in the CPU caches; a round alternates two models), so the
+ratio is an upper bound on the machinery's own cost. The parts write KV past the end of the
+last generation; a later generate call rewrites every slot before any query can see it.
+
 Writes ``--out``/bench.json (config, machine, every time, α/τ/per-position acceptance),
 bench.md (the table) and bench.png (speed vs K, acceptance by position).
 """
@@ -45,7 +62,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -78,6 +95,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip", default="", help="comma-separated methods to skip (e.g. hf_static,hf_assisted)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: 1 on CPU)")
     p.add_argument("--out", type=Path, default=Path("bench_results"), help="output directory")
+    p.add_argument(
+        "--round-overhead",
+        action="store_true",
+        help="also time one round against K draft forwards + 1 target forward of K+1 tokens\n"
+        "(specfx methods with a draft model; see the module docstring)",
+    )
+    p.add_argument("--micro-iters", type=int, default=50, help="timed calls per --round-overhead part (default 50)")
     args = p.parse_args(argv)
     try:
         args.k_values = sorted({int(x) for x in args.k.split(",") if x.strip()})
@@ -86,8 +110,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--k and --batch-sizes take comma-separated integers, got {args.k!r} and {args.batch_sizes!r}")
     if not args.k_values or not args.batch_values or min(args.k_values + args.batch_values) < 1:
         p.error("--k and --batch-sizes need at least one positive integer each")
-    if args.max_new_tokens < 1 or args.num_prompts < 1 or args.repeats < 1:
-        p.error("--max-new-tokens, --num-prompts and --repeats must be >= 1")
+    if args.max_new_tokens < 1 or args.num_prompts < 1 or args.repeats < 1 or args.micro_iters < 1:
+        p.error("--max-new-tokens, --num-prompts, --repeats and --micro-iters must be >= 1")
     args.skip_set = {s.strip() for s in args.skip.split(",") if s.strip()}
     return args
 
@@ -144,6 +168,51 @@ def time_method(fn, batches, repeats: int, sync=lambda: None) -> tuple[float, li
         dt, outs = run_batches(fn, batches, sync)
         times.append(dt)
     return statistics.median(times), outs
+
+
+def median_call_time(fn: Callable[[], object], iters: int, sync=lambda: None, warmup: int = 3) -> float:
+    """Median seconds of ``iters`` individually timed calls of ``fn`` after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def round_overhead(spec, k: int, batch: dict, max_new_tokens: int, iters: int, compiled: bool, sync) -> dict:
+    """Round time vs K draft steps + 1 verify of K+1 tokens, timed separately (module docstring)."""
+    draft = getattr(spec.drafter, "runner", None)
+    if draft is None:
+        return {"error": f"drafter {type(spec.drafter).__name__} has no draft model to time"}
+    target = spec.target_runner
+    with torch.no_grad():
+        spec.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False)  # state as generate leaves it
+        out = {"round_ms": 1e3 * median_call_time(spec._round_fn, iters, sync)}
+        ids = batch["input_ids"]
+        rows, dev = ids.shape[0], ids.device
+        start = ids.shape[1] + max_new_tokens + 1  # past every slot the generation used
+        pos = (start + torch.arange(k + 1, device=dev)).expand(rows, k + 1).contiguous()  # slot == position
+        tok = ids[:, : k + 1].contiguous() if ids.shape[1] > k else torch.zeros_like(pos)
+        pos_1, tok_1 = pos[:, :1].contiguous(), tok[:, :1].contiguous()
+
+        def part(runner):
+            def fwd(t, p):
+                return runner.forward(t, p, p)
+
+            return torch.compile(fwd, backend="inductor", fullgraph=True, dynamic=False) if compiled else fwd
+
+        verify, step = part(target), part(draft)
+        out["verify_ms"] = 1e3 * median_call_time(lambda: verify(tok, pos), iters, sync)
+        out["draft_step_ms"] = 1e3 * median_call_time(lambda: step(tok_1, pos_1), iters, sync)
+    out["parts_ms"] = k * out["draft_step_ms"] + out["verify_ms"]
+    out["overhead"] = out["round_ms"] / out["parts_ms"]
+    out["parts_compiled"] = compiled
+    return out
 
 
 def hf_assisted_kwargs(draft, k: int) -> dict:
@@ -346,6 +415,18 @@ def bench_batch(args, methods, specs, batches, sync) -> dict:
     if BASELINE in live:
         for name in live:
             results[name]["speedup_vs_hf_dynamic"] = results[BASELINE]["median_s"] / results[name]["median_s"]
+    if args.round_overhead:
+        for name in (n for n in live if n in specs):
+            compiled, k = "compiled" in name, int(name.partition("@")[2])
+            wait = spinner(f"[round overhead] {name}: compiling the parts") if compiled else nullcontext()
+            try:
+                with wait:
+                    o = round_overhead(
+                        specs[name], k, batches[-1], args.max_new_tokens, args.micro_iters, compiled, sync
+                    )
+            except Exception as e:  # reported in the table, not fatal
+                o = {"error": f"{type(e).__name__}: {e}"[:500]}
+            results[name]["round_overhead"] = o
     return results
 
 
@@ -365,6 +446,23 @@ def markdown_table(runs: dict) -> str:
             lines.append(
                 f"| {batch} | {name} | {r['tokens_per_s']:.1f} | {r.get('speedup_vs_hf_dynamic', float('nan')):.2f}× "
                 f"| {a} | {t} | {same} |"
+            )
+    rows = [(b, n, r["round_overhead"]) for b, res in runs.items() for n, r in res.items() if "round_overhead" in r]
+    if rows:
+        lines += [
+            "",
+            "Round overhead = round / (K × draft step + verify of K+1 tokens), parts timed separately (ms):",
+            "",
+            "| batch | method | draft step | verify | K×d+v | round | overhead |",
+            "|---:|---|---:|---:|---:|---:|---:|",
+        ]
+        for batch, name, o in rows:
+            if "error" in o:
+                lines.append(f"| {batch} | {name} | not measured: {o['error'][:80]} | | | | |")
+                continue
+            lines.append(
+                f"| {batch} | {name} | {o['draft_step_ms']:.3f} | {o['verify_ms']:.3f} | {o['parts_ms']:.3f} "
+                f"| {o['round_ms']:.3f} | {o['overhead']:.2f}× |"
             )
     return "\n".join(lines) + "\n"
 

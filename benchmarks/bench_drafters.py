@@ -20,7 +20,7 @@ training (the path-hash rule of ``specfx.models.train_pair``), in a fixed order:
               the body, i.e. the output repeats a span of the prompt
     complete  the function's first 3 lines only: the continuation is new code (little to copy)
 
-Timing and checks are those of ``bench_core.py`` (same helpers): warm-up over all prompts
+Timing and checks are those of ``benchmarks/common.py`` (same helpers): warm-up over all prompts
 (graphs compile there; every K of "auto" is compiled then too), then interleaved timed
 repeats, medians; tokens/s = prompts x new tokens / time; every output is compared token for
 token with hf_dynamic's and the script exits with status 1 if one differs. EOS is disabled so

@@ -450,7 +450,7 @@ def main(argv=None) -> int:
     deadline = t_start + args.budget_s
     dev = torch.device(args.device)
     if dev.type == "cpu":
-        torch.set_num_threads(1)  # tiny models: threads only add jitter (see bench_core)
+        torch.set_num_threads(1)  # tiny models: threads only add jitter (see benchmarks/common.py)
     bandwidth = measure_copy_bandwidth(dev)
     log(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write)")
     meta = meta_info(args, bandwidth)

@@ -21,7 +21,7 @@ prompts (batch 1, one after another), the same number of new tokens, greedy, fp3
 Prompts: functions from the stdlib files the demo pair holds out of training (the first lines
 of each, ``bench_drafters.py``'s "complete" task); a random target reads them as UTF-8 bytes.
 Timing, warm-up (graphs compile there) and the token-for-token check against hf_dynamic are
-``bench_core.py``'s; the script exits with status 1 if an output differs.
+``common.py``'s; the script exits with status 1 if an output differs.
 
 Acceptance, from an untimed pass: a forward pre-hook on the target's *last decoder layer*
 counts full-depth target forwards (HF's early-exit drafts stop before that layer, MTP layers

@@ -159,6 +159,23 @@ class ForwardCounter:
         self.handle.remove()
 
 
+def hf_forwards(fn, target, prompts) -> tuple[int, int]:
+    """Run ``fn`` (an HF generate call) on every prompt: (target forwards, tokens proposed).
+    Each forward verifies the tokens fed beyond the pending one; the first also prefills."""
+    counter = ForwardCounter(target)
+    proposed = forwards = 0
+    try:
+        for p in prompts:
+            counter.lengths.clear()
+            fn(p)
+            lens = counter.lengths
+            forwards += len(lens)
+            proposed += (lens[0] - p.shape[1]) + sum(x - 1 for x in lens[1:])
+    finally:
+        counter.close()
+    return forwards, proposed
+
+
 def acceptance(args, methods, specs, target, prompts) -> dict:
     """α, τ and forwards per new token of every method, from one untimed pass."""
     out = {}
@@ -180,17 +197,7 @@ def acceptance(args, methods, specs, target, prompts) -> dict:
                 k_histogram=dict(sorted(hist.items())) or None,
             )
         else:
-            counter = ForwardCounter(target)
-            proposed = forwards = 0
-            try:
-                for p in prompts:
-                    counter.lengths.clear()
-                    fn(p)
-                    lens = counter.lengths
-                    forwards += len(lens)
-                    proposed += (lens[0] - p.shape[1]) + sum(x - 1 for x in lens[1:])
-            finally:
-                counter.close()
+            forwards, proposed = hf_forwards(fn, target, prompts)
             accepted = n * len(prompts) - forwards
             out[name] = dict(
                 alpha=accepted / proposed if proposed else None,

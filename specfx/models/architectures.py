@@ -130,8 +130,9 @@ ARCHITECTURES: dict[str, ArchSpec] = {
 }
 
 # Compiled (one round graph, fullgraph) in CI: one per graph feature that eager tests cannot
-# vouch for (dict masks + softcapping + eager attention; mixture-of-experts routing).
-COMPILED_SUBSET = ("gemma2", "mixtral")
+# vouch for (dict masks + softcapping + eager attention; mixture-of-experts routing; the
+# rowwise 2-D-mask protocol).
+COMPILED_SUBSET = ("gemma2", "mixtral", "bloom")
 
 
 def supported() -> list[str]:

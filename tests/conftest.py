@@ -17,6 +17,14 @@ def prompt(length: int, batch: int = 1, vocab: int = 128, seed: int = 0) -> torc
     return torch.randint(3, vocab, (batch, length), generator=g)
 
 
+def left_padded(length: int, pads, seed: int = 0, vocab: int = 128):
+    """A left-padded batch ``(ids, attention_mask)``: row b starts with ``pads[b]`` padding
+    tokens (id 0, mask 0) followed by random prompt tokens."""
+    ids = prompt(length, batch=len(pads), vocab=vocab, seed=seed)
+    mask = (torch.arange(length) >= torch.tensor(pads).unsqueeze(1)).long()
+    return ids * mask, mask
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine OpenMP

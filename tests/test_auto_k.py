@@ -9,7 +9,7 @@ from transformers import LogitsProcessorList
 
 import specfx
 from specfx.auto_k import AutoK, expected_emitted
-from tests.conftest import pair, prompt
+from tests.conftest import left_padded, pair, prompt
 from tests.test_lossless import _chisquare, _exact, _models
 from tests.test_prompt_lookup import _copying, _repeating_prompt
 
@@ -85,10 +85,9 @@ def test_greedy_equals_generate_while_k_changes(one_thread):
 def test_auto_with_a_draft_model_and_a_left_padded_batch(one_thread):
     target, draft = pair("llama", "perturbed")
     spec = specfx.speculate(target, draft=draft, num_speculative_tokens="auto", auto_k_values=(1, 3, 5), compile=False)
-    ids = prompt(10, batch=3, seed=4)
-    mask = (torch.arange(10) >= torch.tensor([[4], [0], [7]])).long()
+    ids, mask = left_padded(10, (4, 0, 7), seed=4)
     kw = dict(attention_mask=mask, max_new_tokens=30, eos_token_id=None, pad_token_id=0)
-    assert torch.equal(spec.generate(ids * mask, **kw), target.generate(ids * mask, **kw))
+    assert torch.equal(spec.generate(ids, **kw), target.generate(ids, **kw))
     assert set(spec.auto_k.history) <= {1, 3, 5}
     assert len(spec.stats.per_position) == 5
 

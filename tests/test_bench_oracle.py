@@ -25,7 +25,7 @@ from benchmarks.floor import (
 )
 from benchmarks.oracle import OracleDrafter, expected_acceptance, greedy_continuation
 from specfx.passes.no_host_sync import offending_nodes
-from tests.conftest import pair, prompt
+from tests.conftest import left_padded, pair, prompt
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -87,11 +87,7 @@ def test_alpha_06_acceptance_rate_within_statistical_band():
 
 
 def test_left_padded_batch_of_three_rows():
-    ids = prompt(10, batch=3, seed=6)
-    mask = torch.ones_like(ids)
-    mask[0, :4] = 0
-    mask[2, :7] = 0
-    ids = ids.masked_fill(mask == 0, 0)
+    ids, mask = left_padded(10, (4, 0, 7), seed=6)
     spec, out, expected = _oracle_run(1.0, ids, 25, mask)
     assert torch.equal(out, expected)
     assert spec.stats.accepted == spec.stats.proposed > 0

@@ -8,7 +8,7 @@ from transformers import LogitsProcessorList
 
 import specfx
 from specfx.models.tiny import tiny_causal_lm
-from tests.conftest import ARCHS, prompt
+from tests.conftest import ARCHS, left_padded, prompt
 from tests.test_lossless import NEW, ROWS, _chisquare, _exact, _models
 
 _models_cache = {}
@@ -54,11 +54,7 @@ def test_left_padded_batch_matches_batched_generate(arch, one_thread):
     spec = specfx.speculate(target, draft=specfx.EarlyExit(layer=2), num_speculative_tokens=4, compile=False)
     single = prompt(5, seed=8)  # batch 1 first: the batch of 3 then re-allocates and re-captures
     assert torch.equal(spec.generate(single, max_new_tokens=9), target.generate(single, max_new_tokens=9))
-    ids = prompt(10, batch=3, seed=4)
-    mask = torch.ones_like(ids)
-    mask[0, :4] = 0
-    mask[2, :7] = 0
-    ids = ids.masked_fill(mask == 0, 0)
+    ids, mask = left_padded(10, (4, 0, 7), seed=4)
     kw = dict(attention_mask=mask, max_new_tokens=17, eos_token_id=None, pad_token_id=0)
     assert torch.equal(spec.generate(ids, **kw), target.generate(ids, **kw))
     assert len(spec.stats.per_row_accepted) == 3

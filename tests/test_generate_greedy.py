@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import specfx
-from tests.conftest import ARCHS, pair, prompt
+from tests.conftest import ARCHS, left_padded, pair, prompt
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -57,11 +57,7 @@ def test_repetition_penalty_and_min_new_tokens_match():
 def test_left_padded_batch_matches_batched_generate():
     target, d = pair("llama", "perturbed")
     spec = specfx.speculate(target, draft=d, num_speculative_tokens=3, compile=False)
-    ids = prompt(10, batch=3, seed=4)
-    mask = torch.ones_like(ids)
-    mask[0, :4] = 0
-    mask[2, :7] = 0
-    ids = ids.masked_fill(mask == 0, 0)
+    ids, mask = left_padded(10, (4, 0, 7), seed=4)
     kw = dict(attention_mask=mask, max_new_tokens=17, eos_token_id=None, pad_token_id=0)
     assert torch.equal(spec.generate(ids, **kw), target.generate(ids, **kw))
     assert len(spec.stats.per_row_accepted) == 3

@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LogitsProcessorList
 import specfx
 from specfx import mtp as mtp_module
 from specfx.models.tiny import tiny_causal_lm
-from tests.conftest import prompt
+from tests.conftest import left_padded, prompt
 from tests.test_lossless import NEW, ROWS, _chisquare, _exact
 
 MtpModel = mtp_module.mtp_support()
@@ -70,11 +70,8 @@ CASES = [(arch, m) for arch, (_, depths) in MTP_ARCHS.items() for m in depths]
 
 
 def _left_padded(batch=3, length=10, seed=4, vocab=128, pads=(4, 7)):
-    ids = prompt(length, batch=batch, seed=seed, vocab=vocab)
-    mask = torch.ones_like(ids)
-    mask[0, : pads[0]] = 0
-    mask[-1, : pads[1]] = 0
-    return ids.masked_fill(mask == 0, 0), mask
+    """First row padded by pads[0], last by pads[1], the others unpadded."""
+    return left_padded(length, (pads[0],) + (0,) * (batch - 2) + (pads[1],), seed=seed, vocab=vocab)
 
 
 @pytest.mark.parametrize(("arch", "m"), CASES)

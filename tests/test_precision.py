@@ -8,15 +8,7 @@ import specfx
 from specfx.models.tiny import perturbed_copy, tiny_causal_lm
 from specfx.precision import check_greedy_agreement
 
-from .conftest import prompt
-
-
-def _ragged():
-    ids = prompt(10, batch=3, seed=8)
-    mask = torch.ones_like(ids)
-    mask[0, :4] = 0
-    mask[1, :1] = 0
-    return ids.masked_fill(mask == 0, 0), mask
+from .conftest import left_padded, prompt
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -26,7 +18,7 @@ def test_reduced_precision_rule(arch, dtype, one_thread):
     target = tiny_causal_lm(arch, initializer_range=0.05, dtype=dtype, seed=2)
     spec = specfx.speculate(target, draft=perturbed_copy(target, 0.05), num_speculative_tokens=4, compile=False)
     checked = 0
-    for ids, mask in [(prompt(12, seed=s), None) for s in range(4)] + [_ragged()]:
+    for ids, mask in [(prompt(12, seed=s), None) for s in range(4)] + [left_padded(10, (4, 1, 0), seed=8)]:
         kw = dict(max_new_tokens=32, do_sample=False, attention_mask=mask)
         reference = target.generate(ids, **kw)
         got = spec.generate(ids, **kw)

@@ -17,7 +17,7 @@ import specfx
 from specfx.models.architectures import ARCHITECTURES, COMPILED_SUBSET, supported
 from specfx.models.tiny import perturbed_copy, tiny_causal_lm
 
-from ..conftest import prompt
+from ..conftest import left_padded, prompt
 
 SUPPORTED = supported()
 _models = {}
@@ -31,11 +31,8 @@ def _pair(arch):
 
 
 def _ragged(batch=3, length=10):
-    ids = prompt(length, batch=batch, seed=5)
-    mask = torch.ones_like(ids)
-    for b in range(batch - 1):
-        mask[b, : 2 * (b + 1)] = 0  # rows of lengths 8, 6, ..., the last one unpadded
-    return ids.masked_fill(mask == 0, 0), mask
+    """Rows padded by 2, 4, ..., the last one unpadded."""
+    return left_padded(length, [2 * (b + 1) for b in range(batch - 1)] + [0], seed=5)
 
 
 def _check_greedy(spec, target, ids, mask, new):

@@ -33,6 +33,12 @@ class SpecConfig:
         auto_k_cost: for "auto", the cost of one more proposal (a draft step plus one more
             verified position) relative to a round's fixed cost; None: the drafter's estimate
             (``Drafter.proposal_cost``). Higher values favour smaller K.
+        compile_prefill: also compile prefill (one graph per batch bucket, prompt bucket and
+            capacity). False (default): prefill, one forward per call, runs eagerly, so new
+            prompt lengths never compile anything.
+        max_graphs: compiled round/prefill graphs kept per generator (least recently used
+            evicted first, with the memory they hold); a graph whose buffer capacity is
+            outgrown is evicted at once.
     """
 
     num_speculative_tokens: int = 4
@@ -43,6 +49,8 @@ class SpecConfig:
     min_capacity: int = 256
     auto_k_values: tuple[int, ...] = (1, 2, 4, 8)
     auto_k_cost: float | None = None
+    compile_prefill: bool = False
+    max_graphs: int = 16
 
     def __post_init__(self):
         k = self.num_speculative_tokens
@@ -65,8 +73,12 @@ class SpecConfig:
         c = self.auto_k_cost
         if c is not None and (isinstance(c, bool) or not isinstance(c, int | float) or not 0 <= c < float("inf")):
             raise ValueError(f"auto_k_cost must be None or a finite number >= 0, got {c!r}.")
-        if not isinstance(self.compile, bool):
-            raise TypeError(f"compile must be True or False, got {self.compile!r}.")
+        for name in ("compile", "compile_prefill"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}.")
+        g = self.max_graphs
+        if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+            raise ValueError(f"max_graphs must be an int >= 1 (compiled graphs kept per generator), got {g!r}.")
         r = self.rounds_per_sync
         if isinstance(r, bool) or not isinstance(r, int) or r < 1:
             raise ValueError(f"rounds_per_sync must be an int >= 1, got {r!r}.")
@@ -83,6 +95,12 @@ class SpecConfig:
         """The K values rounds may use: ``auto_k_values`` for "auto", else ``(K,)``."""
         k = self.num_speculative_tokens
         return self.auto_k_values if k == AUTO else (k,)
+
+    @staticmethod
+    def batch_bucket(batch: int) -> int:
+        """Batch sizes run in power-of-two buckets (inert padding rows fill the rest), so a
+        new batch size compiles at most once per bucket."""
+        return 1 << (batch - 1).bit_length()
 
     def bucket(self, length: int) -> int:
         for b in self.prefill_buckets:

@@ -13,7 +13,6 @@ from collections.abc import Callable
 import torch
 
 from .runner import ModelRunner
-from .sampling import sample_from
 
 __all__ = ["Drafter", "DraftModel", "DEFAULT_DRAFTERS", "NAMED_DRAFTERS", "VERIFY_COST", "draft_token", "resolve_drafter"]
 
@@ -59,15 +58,12 @@ class Drafter:
 
 def draft_token(ctx, logits: torch.Tensor, i: int, proposals: list, qs: list) -> torch.Tensor:
     """Proposal ``i`` of a round from draft ``logits [B, 1, V]``: processed like the target's
-    scores, then sampled (its distribution appended to ``qs``) or argmax; appended to
-    ``proposals`` and returned ``[B, 1]``."""
+    scores, then sampled or argmax (``ctx.choose``: the device value do_sample decides); its
+    distribution is appended to ``qs`` (q, used when sampling), the token to ``proposals``,
+    and it is returned ``[B, 1]``."""
     scores = ctx.process(logits, i, proposals)  # [B, 1, V]
-    if ctx.do_sample:
-        probs = scores.softmax(dim=-1)
-        token = sample_from(probs, ctx.uniform(1 + i, probs.shape))  # [B, 1]
-        qs.append(probs)
-    else:
-        token = scores.argmax(dim=-1)  # [B, 1]
+    token, probs = ctx.choose(scores, 1 + i)  # [B, 1], [B, 1, V]
+    qs.append(probs)
     proposals.append(token)
     return token
 
@@ -126,7 +122,7 @@ class DraftModel(Drafter):
             if i + 1 < ctx.k:
                 p = (lengths + 1 + i).unsqueeze(1)  # [B, 1]
                 logits = self.runner.forward(token, p, p)
-        q = torch.cat(qs, dim=1) if ctx.do_sample else None
+        q = torch.cat(qs, dim=1)
         return torch.cat(proposals, dim=1), q
 
 

@@ -177,7 +177,7 @@ class EarlyExit(Drafter):
             logits = self.graph(token, pos, pos)  # [B, 1, V]; KV of layers < N written at slot pos
             token = draft_token(ctx, logits, i, proposals, qs)  # [B, 1]
             pos = pos + 1
-        q = torch.cat(qs, dim=1) if ctx.do_sample else None
+        q = torch.cat(qs, dim=1)
         return torch.cat(proposals, dim=1), q
 
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-import functools
 import logging
+import threading
 import time
 import types
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -14,11 +17,12 @@ from .config import AUTO, SpecConfig
 from .drafters import resolve_drafter
 from .generate_args import GenerateRequest, resolve_generate_args
 from .passes.backend import GraphRecord, make_backend
+from .graph_utils import fresh_code
 from .round import RoundState, prefill_step, round_step
 from .runner import ModelRunner
 from .stats import SpecStats
 
-__all__ = ["SpeculativeGenerator", "speculate"]
+__all__ = ["CompileEvent", "SpeculativeGenerator", "speculate"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,10 +54,13 @@ def speculate(
     return SpeculativeGenerator(model, draft, config)
 
 
-def _own_code(fn):
-    """A copy of ``fn`` with its own code object: Dynamo caches compiled graphs per code
-    object, so each generator gets a private cache and recompile budget."""
-    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+@dataclass
+class CompileEvent:
+    """One graph variant compiled by a generator: its key and the wall time of its first call
+    (tracing, the passes, Inductor, plus one run)."""
+
+    key: tuple
+    seconds: float
 
 
 class SpeculativeGenerator:
@@ -61,6 +68,12 @@ class SpeculativeGenerator:
 
     Attribute access, ``config``, ``device``, ``generation_config`` and calling the object are
     forwarded to the target, so it can stand in for the model.
+
+    Long-lived use: ``generate()`` calls are serialised by a lock (threads may share one
+    generator), run outside ``torch.inference_mode`` and grad mode whatever the caller's, and
+    keep one compiled graph per *variant* (batch bucket, buffer capacity, K; see
+    ``graph_key``) in an LRU of ``max_graphs`` entries. Sampling settings are device values,
+    so they never select a graph.
     """
 
     def __init__(self, model, draft, config: SpecConfig):
@@ -75,17 +88,13 @@ class SpeculativeGenerator:
         self.k = max(config.k_values)  # state buffers fit the largest K
         self.vocab = self.target_runner.vocab_size
         self.state: RoundState | None = None
-        self._shape: tuple[int, int] | None = None  # (batch, capacity) of the allocated state
-        self._flags: tuple[bool, ...] = ()
+        self._shape: tuple[int, int] | None = None  # (batch bucket, capacity) of the allocated state
+        self._signature: tuple | None = None  # dtypes/devices of the models when state was allocated
         self.graphs: list[GraphRecord] = []
         self._backend = make_backend(config.backend, self.graphs) if isinstance(config.backend, str) else config.backend
-        self._prefill_fn = self._maybe_compile(_own_code(SpeculativeGenerator._prefill_impl))
-        # one round graph per K (its own code object, so switching K never recompiles)
-        self._round_fns = {
-            k: functools.partial(self._maybe_compile(_own_code(SpeculativeGenerator._round_impl)), k)
-            for k in config.k_values
-        }
-        self._round_fn = self._round_fns[self.k]
+        self._variants: OrderedDict[tuple, Callable] = OrderedDict()  # graph_key -> compiled fn (LRU)
+        self.compile_events: list[CompileEvent] = []
+        self._lock = threading.RLock()
         self.stats = SpecStats()
         self.cumulative_stats = SpecStats()
 
@@ -127,17 +136,63 @@ class SpeculativeGenerator:
         return f"SpeculativeGenerator(target={type(self.model).__name__}, drafter={self.drafter.name}, K={k}, {mode})"
 
     # ----------------------------------------------------------------- graphs
-    def _maybe_compile(self, fn):
-        bound = types.MethodType(fn, self)
-        if not self.spec_config.compile:
-            return bound
-        return torch.compile(bound, backend=self._backend, fullgraph=True, dynamic=False)
+    def _prefill_impl(self, ids, collect: bool):
+        return prefill_step(self.target_runner, self.drafter, self.state, ids, self.vocab, collect)
 
-    def _prefill_impl(self, ids):
-        return prefill_step(self.target_runner, self.drafter, self.state, ids, self._flags, self.vocab)
+    def _round_impl(self, k: int, collect: bool):
+        return round_step(self.target_runner, self.drafter, self.state, k, self.vocab, collect)
 
-    def _round_impl(self, k: int):
-        return round_step(self.target_runner, self.drafter, self.state, k, self._flags, self.vocab)
+    def graph_key(self, kind: str, *extra) -> tuple:
+        """The variant a compiled graph serves: ``(kind, batch bucket, capacity, *extra)``
+        (extra: K and collect for a round; prompt bucket and collect for a prefill)."""
+        return (kind, *self._shape, *extra)
+
+    def _variant(self, kind: str, *extra) -> Callable:
+        """The callable for one graph variant: eager, or compiled on first use. Each variant
+        gets its own code object (a private Dynamo cache, so no variant counts against
+        another's recompile limit) and lives in an LRU of ``max_graphs`` entries."""
+        impl = SpeculativeGenerator._round_impl if kind == "round" else SpeculativeGenerator._prefill_impl
+        compiled = self.spec_config.compile and (kind == "round" or self.spec_config.compile_prefill)
+        if not compiled:
+            return types.MethodType(impl, self)
+        key = self.graph_key(kind, *extra)
+        fn = self._variants.get(key)
+        if fn is not None:
+            self._variants.move_to_end(key)
+            return fn
+        bound = types.MethodType(fresh_code(impl), self)
+        compiled_fn = torch.compile(bound, backend=self._backend, fullgraph=True, dynamic=False)
+
+        def first_call(*args):
+            logger.info("specfx: compiling the %s graph for %s (first use of this variant)", kind, key[1:])
+            start = time.monotonic()
+            try:
+                result = compiled_fn(*args)
+            except BaseException:
+                self._variants.pop(key, None)  # a failed compile is retried next time, not kept
+                raise
+            self.compile_events.append(CompileEvent(key, time.monotonic() - start))
+            self._variants[key] = compiled_fn
+            return result
+
+        self._variants[key] = first_call
+        while len(self._variants) > self.spec_config.max_graphs:
+            evicted, _ = self._variants.popitem(last=False)
+            logger.info("specfx: evicting the compiled graph for %s (max_graphs=%d)", evicted, self.spec_config.max_graphs)
+        return first_call
+
+    def round_fn(self, k: int | None = None, collect: bool = False) -> Callable:
+        """One round of the allocated state (after a ``generate()`` call) as a callable
+        returning ``(tokens [B, K+1], n_emitted [B])``; for benchmarks. K defaults to the
+        largest K."""
+        if self.state is None:
+            raise RuntimeError("round_fn(): no state yet; call generate() once first.")
+        k = self.k if k is None else k
+        return lambda: self._variant("round", k, collect)(k, collect)
+
+    @property
+    def _round_fn(self) -> Callable:
+        return self.round_fn()
 
     def explain(self) -> str:
         """What was done to the model: the passes applied to each captured graph and its size."""
@@ -148,43 +203,70 @@ class SpeculativeGenerator:
             lines.append("no graph captured yet: graphs are captured on the first generate() call.")
         for i, g in enumerate(self.graphs):
             lines.append(f"graph {i}: {g.summary()}")
+        if self._variants:
+            lines.append("compiled variants kept (kind, batch bucket, capacity, ...): " + ", ".join(map(str, self._variants)))
         return "\n".join(lines)
 
     # ----------------------------------------------------------------- state
+    def _model_signature(self) -> tuple:
+        """dtype and device of every model in play: a change (``model.to(torch.bfloat16)``)
+        makes the allocated buffers and compiled graphs stale."""
+        models = [self.model, getattr(self.drafter, "model", None)]
+        return tuple((m.dtype, m.device) for m in models if m is not None)
+
     def _ensure_state(self, batch: int, needed: int) -> None:
-        cap = self.spec_config.min_capacity
+        """Allocate state for ``batch`` rows (a batch bucket) of at least ``needed`` slots.
+
+        Capacity only grows (power-of-two steps from ``min_capacity``); graphs of an outgrown
+        capacity are evicted at once. All-or-nothing: if any allocation fails (out of memory,
+        Ctrl-C, a failed re-check) the generator is left with no state and the next call
+        allocates afresh.
+        """
+        signature = self._model_signature()
+        if signature != self._signature:
+            if self._signature is not None:
+                logger.info("specfx: the model's dtype or device changed; reallocating and recompiling")
+            self.state, self._shape, self._signature = None, None, None
+            self._variants.clear()
+        cap = max(self.spec_config.min_capacity, self._shape[1] if self._shape else 0)
         while cap < needed:
             cap *= 2
-        if self._shape is not None and self._shape[0] == batch and self._shape[1] >= needed:
+        if self._shape == (batch, cap):
             return
-        if self._shape is not None:
-            logger.info("specfx: reallocating state for batch %d, capacity %d (graphs will recompile)", batch, cap)
-        self.target_runner.allocate(batch, cap)
-        self.drafter.allocate(batch, cap)
-        self.state = RoundState.allocate(batch, cap, self.vocab, self.k, self.device)
-        self._shape = (batch, cap)
+        if self._shape is not None and cap != self._shape[1]:
+            for key in [k for k in self._variants if k[2] != cap]:
+                del self._variants[key]
+        self.state, self._shape = None, None
+        try:
+            self.target_runner.allocate(batch, cap)
+            self.drafter.allocate(batch, cap)
+            state = RoundState.allocate(batch, cap, self.vocab, self.k, self.device)
+        except BaseException:
+            self._signature = None  # nothing half-allocated is ever used
+            raise
+        self.state, self._shape, self._signature = state, (batch, cap), signature
 
-    def _load_request(self, req: GenerateRequest) -> None:
+    def _load_request(self, req: GenerateRequest, batch: int) -> None:
+        """Load one call's rows and settings into the state (``batch`` real rows; the rest of
+        the bucket are inert rows, finished from the start)."""
         s, sp = self.state, req.sampling
-        s.prompt_lengths.copy_(req.prompt_lengths)
-        s.gen_end.copy_(req.prompt_lengths + req.max_new_tokens)
+        bucket = s.live.shape[0]
+        prompt_lengths = torch.ones(bucket, dtype=torch.long, device=self.device)
+        prompt_lengths[:batch] = req.prompt_lengths
+        s.prompt_lengths.copy_(prompt_lengths)
+        s.gen_end.copy_(prompt_lengths + req.max_new_tokens)
+        s.live.copy_(torch.arange(bucket, device=self.device) < batch)
         if sp.do_sample:  # HF-style: torch.manual_seed reproduces; greedy leaves the global RNG alone
             s.seed.fill_(int(torch.randint(0, 2**62, (1,))))
-        v = s.values
-        v["temperature"].fill_(sp.temperature)
-        v["top_k"].fill_(sp.top_k)
-        v["top_p"].fill_(sp.top_p)
-        v["penalty"].fill_(sp.repetition_penalty)
-        v["min_new"].fill_(sp.min_new_tokens)
-        eos = list(sp.eos_token_ids) or [-1]
-        if s.eos_ids.numel() != len(eos):
-            s.eos_ids = torch.tensor(eos, dtype=torch.long, device=self.device)
-        else:
-            s.eos_ids.copy_(torch.tensor(eos, dtype=torch.long))
-        self._flags = sp.flags
+        for name, value in sp.device_values().items():
+            s.values[name].fill_(value)
+        eos = [t for t in sp.eos_token_ids if t >= 0]
+        if len(eos) > s.eos_ids.numel():  # rare: a larger buffer (the round recompiles once)
+            s.eos_ids = torch.full((1 << (len(eos) - 1).bit_length(),), -1, dtype=torch.long, device=self.device)
+        padded = eos + [-1] * (s.eos_ids.numel() - len(eos))
+        s.eos_ids.copy_(torch.tensor(padded, dtype=torch.long))
 
     # ----------------------------------------------------------------- generate
-    @torch.no_grad()
     def generate(self, inputs=None, **kwargs):
         """Speculative drop-in for ``model.generate()``.
 
@@ -195,17 +277,33 @@ class SpeculativeGenerator:
         stopping_criteria, max_time, return_dict_in_generate. Returns what HF returns: a
         ``[B, S + new]`` LongTensor, or a ``GenerateDecoderOnlyOutput`` with ``sequences``.
         Arguments it cannot honour raise ``ValueError`` naming the argument.
+
+        Safe to call from several threads (calls are serialised) and under
+        ``torch.inference_mode()`` or ``torch.no_grad()`` alike.
         """
+        # One mode for every call: buffers made under inference_mode would refuse the in-place
+        # updates of a later normal call, and grad mode is part of the compiled graphs' guards.
+        with self._lock, torch.inference_mode(False), torch.no_grad():
+            return self._generate(inputs, kwargs)
+
+    def _generate(self, inputs, kwargs):
         tr = self.target_runner
         req = resolve_generate_args(self.model, tr.vocab_size, tr.max_positions, inputs, kwargs)
         batch, seq_len = req.input_ids.shape
         bucket = self.spec_config.bucket(seq_len)
-        self._ensure_state(batch, bucket + req.max_new_tokens + self.k + 2)
-        self._load_request(req)
-        ids = torch.nn.functional.pad(req.input_ids, (bucket - seq_len, 0))  # left-pad to the bucket
+        rows = self.spec_config.batch_bucket(batch)
+        self._ensure_state(rows, bucket + req.max_new_tokens + self.k + 2)
+        self._load_request(req, batch)
+        ids = torch.nn.functional.pad(req.input_ids, (bucket - seq_len, 0, 0, rows - batch))  # [rows, bucket]
+        collect = bool(getattr(req, "output_scores", False) or getattr(req, "output_logits", False))
+        steps = [] if collect else None  # per round: (scores, logits [B, T, V], n_emitted [B])
 
         start = time.monotonic()
-        first = self._prefill_fn(ids)
+        first = self._variant("prefill", bucket, collect)(ids, collect)
+        if collect:
+            first, scores, logits = first
+            steps.append((scores[:batch].clone(), logits[:batch].clone(), torch.ones(batch, dtype=torch.long)))
+        first = first[:batch]
         streamer, criteria = req.streamer, req.stopping_criteria
         host_tokens = [[] for _ in range(batch)] if criteria else None
         stop_at = [None] * batch
@@ -225,10 +323,13 @@ class SpeculativeGenerator:
             if auto is not None:
                 k = auto.k
                 auto.history.append(k)
-            round_fn = self._round_fns[k]
+            round_fn = self._variant("round", k, collect)
             for _ in range(min(self.spec_config.rounds_per_sync, rounds_left)):
-                out, n = round_fn()
+                result = round_fn(k, collect)
+                out, n = result[0][:batch], result[1][:batch]
                 rounds_left -= 1
+                if collect:
+                    steps.append((result[2][:batch].clone(), result[3][:batch].clone(), n.clone()))
                 if streamer is not None or host_tokens is not None:
                     out_h, n_h = out.cpu(), n.tolist()
                     new = [out_h[b, : n_h[b]].tolist() for b in range(batch)]
@@ -245,19 +346,31 @@ class SpeculativeGenerator:
                 break
         if streamer is not None:
             streamer.end()
-        return self._finish(req, stop_at)
+        return self._finish(req, batch, stop_at, steps)
 
     def _sync_finished(self) -> bool:
-        """The host's read between rounds: are all rows finished? With "auto" the acceptance
-        counters come back in the same transfer and choose the next K."""
+        """The host's read between rounds: are all rows finished? The NaN flag comes back in
+        the same transfer, and with "auto" the acceptance counters that choose the next K."""
         s = self.state
+        head = [s.finished.all().long(), s.invalid.any().long()]
         if self.auto_k is None:
-            return bool(s.finished.all())
-        counters = [s.finished.all().long(), s.accepted.sum(), s.row_rounds.sum()]
-        read = torch.cat([torch.stack(counters), s.per_position])
-        done, accepted, row_rounds, *per_position = read.tolist()
-        self.auto_k.update(accepted, row_rounds, per_position)
+            done, invalid = torch.stack(head).tolist()
+        else:
+            head += [s.accepted.sum(), s.row_rounds.sum()]
+            done, invalid, accepted, row_rounds, *per_position = torch.cat([torch.stack(head), s.per_position]).tolist()
+            self.auto_k.update(accepted, row_rounds, per_position)
+        if invalid:
+            self._raise_invalid()
         return bool(done)
+
+    def _raise_invalid(self):
+        rows = torch.nonzero(self.state.invalid).flatten().tolist()
+        raise RuntimeError(
+            f"generate(): the target's next-token distribution of row(s) {rows} contains NaN or inf "
+            f"while sampling (transformers raises here too: 'probability tensor contains either inf, "
+            f"nan or element < 0'). The model produced non-finite logits: check its weights and dtype "
+            f"(float16 overflow is a common cause; try bfloat16 or float32)."
+        )
 
     def _apply_criteria(self, req, host_tokens, stop_at, before) -> None:
         """Run the user's stopping criteria token by token (HF semantics: stop right after the
@@ -275,11 +388,13 @@ class SpeculativeGenerator:
                     s.finished[b] = True
                     break
 
-    def _finish(self, req: GenerateRequest, stop_at):
+    def _finish(self, req: GenerateRequest, batch: int, stop_at, steps):
         s = self.state
-        lengths = s.lengths.cpu()
+        if bool(s.invalid.any()):  # the last round's flag (the loop may end without a read)
+            self._raise_invalid()
+        lengths = s.lengths[:batch].cpu()
         prompt = req.prompt_lengths.cpu()
-        tokens = s.tokens.cpu()
+        tokens = s.tokens[:batch].cpu()
         counts = (lengths + 1 - prompt).tolist()
         counts = [c if cap is None else min(c, cap) for c, cap in zip(counts, stop_at, strict=False)]
         width = max(counts)
@@ -289,14 +404,14 @@ class SpeculativeGenerator:
             p = int(prompt[b])
             new[b, :c] = tokens[b, p : p + c]
         sequences = torch.cat([req.input_ids, new.to(self.device)], dim=1)
-        self._read_stats()
+        self._read_stats(batch)
         if req.return_dict_in_generate:
             from transformers.generation.utils import GenerateDecoderOnlyOutput
 
             return GenerateDecoderOnlyOutput(sequences=sequences)
         return sequences
 
-    def _read_stats(self) -> None:
+    def _read_stats(self, batch: int) -> None:
         s = self.state
         stats = SpecStats(
             rounds=int(s.rounds),
@@ -305,10 +420,8 @@ class SpeculativeGenerator:
             emitted=int(s.emitted.sum()),
             row_rounds=int(s.row_rounds.sum()),
             per_position=s.per_position.tolist(),
-            per_row_accepted=s.accepted.tolist(),
-            per_row_proposed=s.proposed.tolist(),
+            per_row_accepted=s.accepted[:batch].tolist(),
+            per_row_proposed=s.proposed[:batch].tolist(),
         )
         self.stats = stats
         self.cumulative_stats.merge(stats)
-
-

@@ -318,7 +318,7 @@ class MTP(Drafter):
                 pos = lengths + i  # [B, 1]
                 last = self._layer(m - 1, token, last, pos, pos)
             token = draft_token(ctx, self._logits(last), i, proposals, qs)
-        q = torch.cat(qs, dim=1) if ctx.do_sample else None
+        q = torch.cat(qs, dim=1)
         return torch.cat(proposals, dim=1), q
 
 

@@ -12,9 +12,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .graph_utils import mark_static
 from .sampling import PLACEHOLDER, greedy_verify, process_logits, rejection_verify, sample_from, uniform
 
-__all__ = ["RoundState", "RoundContext", "prefill_step", "round_step"]
+__all__ = ["EOS_SLOTS", "RoundState", "RoundContext", "prefill_step", "round_step"]
+
+# EOS ids the state holds without reallocating (Llama 3 has 3); more reallocate a larger buffer.
+EOS_SLOTS = 8
 
 _STREAM_PREFILL = 0
 _STREAM_ACCEPT = 1000
@@ -33,8 +37,10 @@ class RoundState:
     seen: torch.Tensor  # [B, V] int32, occurrences of each token (repetition penalty)
     seed: torch.Tensor  # [] int64
     counter: torch.Tensor  # [] int64, rounds run (the random stream's counter)
-    values: dict  # 0-dim tensors: temperature, top_k, top_p, penalty, min_new
-    eos_ids: torch.Tensor  # [E] int64 (E >= 1; -1 when there is no EOS)
+    values: dict  # 0-dim tensors: do_sample, temperature, top_k, top_p, penalty, min_new
+    eos_ids: torch.Tensor  # [E] int64, EOS ids then -1 (unused entries); E fixed (EOS_SLOTS)
+    live: torch.Tensor  # [B] bool, False for the inert rows that pad a batch to its bucket
+    invalid: torch.Tensor  # [B] bool, sampling met a NaN/inf distribution (read with finished)
     # statistics
     rounds: torch.Tensor  # [] int64
     proposed: torch.Tensor  # [B] int64
@@ -44,11 +50,12 @@ class RoundState:
     per_position: torch.Tensor  # [K] int64 (K = the largest K rounds may use)
 
     @classmethod
-    def allocate(cls, batch: int, capacity: int, vocab: int, k: int, device) -> RoundState:
+    def allocate(cls, batch: int, capacity: int, vocab: int, k: int, device, eos_slots: int = EOS_SLOTS) -> RoundState:
         def z(*shape, dtype=torch.long):
             return torch.zeros(shape, dtype=dtype, device=device)
 
         values = {
+            "do_sample": z(dtype=torch.bool),
             "temperature": z(dtype=torch.float32),
             "top_k": z(),
             "top_p": z(dtype=torch.float32),
@@ -65,7 +72,9 @@ class RoundState:
             seed=z(),
             counter=z(),
             values=values,
-            eos_ids=torch.full((1,), -1, dtype=torch.long, device=device),
+            eos_ids=torch.full((eos_slots,), -1, dtype=torch.long, device=device),
+            live=z(batch, dtype=torch.bool),
+            invalid=z(batch, dtype=torch.bool),
             rounds=z(),
             proposed=z(batch),
             accepted=z(batch),
@@ -73,10 +82,7 @@ class RoundState:
             row_rounds=z(batch),
             per_position=z(k),
         )
-        if torch.device(device).type == "cuda":
-            # Static addresses: CUDA graphs may then write these in place.
-            for t in state.tensors():
-                torch._dynamo.mark_static_address(t)
+        mark_static(*state.tensors())  # CUDA graphs then write them in place
         return state
 
     def tensors(self):
@@ -91,44 +97,50 @@ class RoundState:
 class RoundContext:
     """What a drafter and the verifier share inside one round (or prefill)."""
 
-    def __init__(self, state: RoundState, k: int, flags: tuple[bool, ...], vocab: int):
+    def __init__(self, state: RoundState, k: int, vocab: int):
         self.state = state
         self.k = k
-        self.flags = flags
-        self.do_sample = flags[0]
         self.vocab = vocab
         self.tokens = state.tokens
         self.lengths = state.lengths
+        self.do_sample = state.values["do_sample"]  # [] bool tensor (a device value, never branched on)
 
     def uniform(self, stream: int, shape) -> torch.Tensor:
         return uniform(self.state.seed, self.state.counter, stream, tuple(shape))
 
     def process(self, logits: torch.Tensor, first: int, drafted: list) -> torch.Tensor:
         """Processed scores for ``logits [B, T, V]`` predicting positions
-        ``lengths + 1 + first + t``; ``drafted`` are the proposals made so far this round
-        (they count as generated for the repetition penalty)."""
+        ``lengths + 1 + first + t``; ``drafted`` are the proposals ``[B, 1]`` made so far this
+        round (they count as generated for the repetition penalty)."""
         s = self.state
         b, t, v = logits.shape
         offsets = torch.arange(first, first + t, device=logits.device)
         gen_index = (s.lengths + 1 - s.prompt_lengths).unsqueeze(1) + offsets  # [B, T]
-        presence = None
-        if self.flags[1]:
-            presence = (s.seen > 0).unsqueeze(1).expand(b, t, v)
-            if drafted:
-                d = torch.cat(drafted, dim=1)  # [B, k']
-                seen_d = F.one_hot(d, v).cumsum(dim=1) > 0  # [B, k', V]: any of d_0..d_j
-                before = torch.cat([torch.zeros_like(seen_d[:, :1]), seen_d], dim=1)  # any of d_<j
-                presence = presence | before[:, first : first + t]
-        return process_logits(logits, self.flags, s.values, presence, gen_index, s.eos_ids)
+        presence = (s.seen > 0).unsqueeze(1)  # [B, 1, V]
+        vocab_ids = torch.arange(v, device=logits.device)
+        index = offsets.view(1, t, 1)
+        for j, d in enumerate(drafted[: first + t - 1]):  # d_j counts at positions after j
+            presence = presence | ((vocab_ids == d.unsqueeze(-1)) & (index > j))  # [B, T, V]
+        return process_logits(logits, s.values, presence, gen_index, s.eos_ids)
+
+    def choose(self, scores: torch.Tensor, stream: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next token from processed ``scores [B, T, V]``: sampled from their softmax when
+        sampling, else their argmax (selected on the device). Returns ``(token [B, T], probs
+        [B, T, V])``; probs is what a sampled token was drawn from (q for a drafter)."""
+        probs = scores.softmax(dim=-1)
+        sampled = sample_from(probs, self.uniform(stream, probs.shape))
+        return torch.where(self.do_sample, sampled, scores.argmax(dim=-1)), probs
 
 
-def prefill_step(target, drafter, state: RoundState, ids: torch.Tensor, flags, vocab: int) -> torch.Tensor:
+def prefill_step(target, drafter, state: RoundState, ids: torch.Tensor, vocab: int, collect: bool = False):
     """Prefill target and drafter on the prompt and choose the first new token.
 
     ``ids [B, P]`` is the prompt left-padded to a bucket length P (so every row's last real
     token is in column P-1 and its logits are the last column's). Real token j of a row sits at
     position and slot j; padding goes to the trash slot and to position 0, so it only sees
-    slot 0 (a real token) and nothing real ever sees it. Returns the first token ``[B]``.
+    slot 0 (a real token) and nothing real ever sees it. Inert rows (``live`` False) are
+    finished from the start. Returns the first token ``[B]``; with ``collect`` also the
+    processed scores and raw logits it was chosen from, ``[B, 1, V]`` each.
     """
     s = state
     b, p = ids.shape
@@ -147,36 +159,39 @@ def prefill_step(target, drafter, state: RoundState, ids: torch.Tensor, flags, v
     s.seen.zero_()
     s.seen.scatter_add_(1, ids, real.int())
     s.counter.zero_()
-    ctx = RoundContext(s, 0, flags, vocab)
+    ctx = RoundContext(s, 0, vocab)
     # gen_index of the first token is 0: process() predicts lengths + 1 + first - prompt_len
     s.lengths.copy_(s.prompt_lengths - 1)
-    scores = ctx.process(logits, 0, [])[:, 0]  # [B, V]
-    if flags[0]:
-        first = sample_from(scores.softmax(dim=-1), ctx.uniform(_STREAM_PREFILL, scores.shape))
-    else:
-        first = scores.argmax(dim=-1)
+    scores = ctx.process(logits, 0, [])  # [B, 1, V]
+    first, probs = ctx.choose(scores, _STREAM_PREFILL)
+    first = first[:, 0]  # [B]
+    s.invalid.copy_(ctx.do_sample & s.live & probs[:, 0].isnan().any(dim=-1))
     s.lengths.copy_(s.prompt_lengths)
     s.tokens.scatter_(1, s.lengths.unsqueeze(1), first.unsqueeze(1))
     s.seen.scatter_add_(1, first.unsqueeze(1), torch.ones_like(first, dtype=torch.int32).unsqueeze(1))
     is_eos = (first.unsqueeze(1) == s.eos_ids).any(dim=1)
-    s.finished.copy_(is_eos | (s.lengths + 1 >= s.gen_end))
+    s.finished.copy_(is_eos | (s.lengths + 1 >= s.gen_end) | ~s.live)
     for t in (s.rounds, s.proposed, s.accepted, s.emitted, s.row_rounds, s.per_position):
         t.zero_()
     if hidden is not None:
         drafter.observe(ctx, hidden, pos, slots)  # after the first token is committed
+    if collect:
+        return first, scores, logits.float()
     return first
 
 
-def round_step(target, drafter, state: RoundState, k: int, flags, vocab: int):
+def round_step(target, drafter, state: RoundState, k: int, vocab: int, collect: bool = False):
     """One speculative round for every row; finished rows are carried along unchanged.
 
     Returns:
         tokens ``[B, K+1]``: emitted tokens, PLACEHOLDER past ``n_emitted``.
         n_emitted ``[B]``: 0 for rows already finished, else 1..K+1 (after EOS/length truncation).
+        with ``collect``: the processed scores and raw logits of the K+1 verified positions
+        ``[B, K+1, V]`` each (emitted token i was chosen from position i).
     """
     s = state
     s.counter.add_(1)
-    ctx = RoundContext(s, k, flags, vocab)
+    ctx = RoundContext(s, k, vocab)
     active = ~s.finished
     lengths = s.lengths
 
@@ -187,15 +202,16 @@ def round_step(target, drafter, state: RoundState, k: int, flags, vocab: int):
     verified = target.forward(ids, pos, pos, return_hidden=drafter.needs_hidden)
     logits, hidden = verified if drafter.needs_hidden else (verified, None)
     scores = ctx.process(logits, 0, list(proposals.split(1, dim=1)))
-    if flags[0]:
-        p = scores.softmax(dim=-1)
-        if q is None:
-            q = F.one_hot(proposals, vocab).to(p.dtype)
-        out, n_accepted = rejection_verify(
-            p, q, proposals, ctx.uniform(_STREAM_ACCEPT, proposals.shape), ctx.uniform(_STREAM_RESAMPLE, p.shape)
-        )
-    else:
-        out, n_accepted = greedy_verify(scores, proposals)
+    # Both acceptance rules run; the device value do_sample selects one (no graph per mode).
+    p = scores.softmax(dim=-1)
+    if q is None:  # a deterministic drafter: q is one-hot on its proposals
+        q = F.one_hot(proposals, vocab).to(p.dtype)
+    out_s, n_s = rejection_verify(
+        p, q, proposals, ctx.uniform(_STREAM_ACCEPT, proposals.shape), ctx.uniform(_STREAM_RESAMPLE, p.shape)
+    )
+    out_g, n_g = greedy_verify(scores, proposals)
+    out = torch.where(ctx.do_sample, out_s, out_g)
+    n_accepted = torch.where(ctx.do_sample, n_s, n_g)
 
     # Truncate at the length limit and at the first EOS; freeze finished rows.
     idx = torch.arange(k + 1, device=ids.device).unsqueeze(0)
@@ -205,12 +221,14 @@ def round_step(target, drafter, state: RoundState, k: int, flags, vocab: int):
     has_eos = eos_hit.any(dim=1)
     n = torch.where(has_eos, eos_hit.int().argmax(dim=1) + 1, n)
     n = torch.where(active, n, 0)
-    out = torch.where(idx < n.unsqueeze(1), out, PLACEHOLDER)
+    emitted = idx < n.unsqueeze(1)  # [B, K+1]
+    out = torch.where(emitted, out, PLACEHOLDER)
+    # HF raises when it samples from a NaN distribution; flag it for the host's next read
+    s.invalid.copy_(s.invalid | (ctx.do_sample & (p.isnan().any(dim=-1) & emitted).any(dim=1)))
 
     write = (lengths.unsqueeze(1) + 1 + idx).clamp(max=s.tokens.shape[1] - 1)
-    s.tokens.scatter_(1, write, torch.where(idx < n.unsqueeze(1), out, s.tokens.gather(1, write)))
-    if flags[1]:
-        s.seen.scatter_add_(1, out, (idx < n.unsqueeze(1)).int())
+    s.tokens.scatter_(1, write, torch.where(emitted, out, s.tokens.gather(1, write)))
+    s.seen.scatter_add_(1, out, emitted.int())
     s.finished.copy_(s.finished | (active & (has_eos | (n >= remaining))))
     s.lengths.add_(n)
     if hidden is not None:
@@ -224,4 +242,6 @@ def round_step(target, drafter, state: RoundState, k: int, flags, vocab: int):
     s.emitted.add_(n)
     s.row_rounds.add_(act)
     s.per_position[:k].add_(((idx[:, :k] < n_accepted.unsqueeze(1)) & active.unsqueeze(1)).long().sum(dim=0))
+    if collect:
+        return out, n, scores, logits.float()
     return out, n

@@ -37,8 +37,9 @@ _MASK32 = 0xFFFFFFFF
 class SamplingParams:
     """Resolved generation parameters, as HF resolves them (see ``generate_args``).
 
-    Flags decide which processors are in the graph (changing one recompiles); their values
-    live in device tensors on the runtime (changing a value does not).
+    Every value lives in a device tensor of the round state (``RoundState.values``), so no
+    setting changes the compiled graph: greedy and sampling, with or without temperature,
+    top-k, top-p, repetition penalty or a minimum length, all run the same round graph.
     """
 
     do_sample: bool
@@ -49,54 +50,57 @@ class SamplingParams:
     min_new_tokens: int = 0  # EOS is masked while fewer new tokens than this were generated
     eos_token_ids: tuple[int, ...] = ()
 
-    @property
-    def flags(self) -> tuple[bool, bool, bool, bool, bool, bool]:
+    def device_values(self) -> dict[str, float | int | bool]:
+        """What ``RoundState.values`` holds for this call. HF applies the warpers (temperature,
+        top-k, top-p) only when sampling, so greedy turns them off (values that are exact
+        no-ops in :func:`process_logits`)."""
         s = self.do_sample
-        return (
-            s,
-            self.repetition_penalty != 1.0,
-            self.min_new_tokens > 0 and bool(self.eos_token_ids),
-            s and self.temperature != 1.0,
-            s and self.top_k > 0,
-            s and self.top_p < 1.0,
-        )
+        return {
+            "do_sample": s,
+            "temperature": self.temperature if s else 1.0,
+            "top_k": self.top_k if s else 0,
+            "top_p": self.top_p if s else 1.0,
+            "penalty": self.repetition_penalty,
+            "min_new": self.min_new_tokens,
+        }
 
 
 def process_logits(
     logits: torch.Tensor,  # [B, T, V] raw model logits
-    flags: tuple[bool, ...],
-    values: dict[str, torch.Tensor],  # temperature, top_k, top_p, penalty, min_new: 0-dim tensors
-    presence: torch.Tensor | None,  # [B, T, V] bool: token already in the row's sequence
+    values: dict[str, torch.Tensor],  # 0-dim tensors: temperature, top_k, top_p, penalty, min_new
+    presence: torch.Tensor,  # [B, T, V] bool (or broadcastable): token already in the row's sequence
     gen_index: torch.Tensor,  # [B, T] int64: index among new tokens of the token predicted here
-    eos_ids: torch.Tensor,  # [E] int64
+    eos_ids: torch.Tensor,  # [E] int64, -1 = unused entry
 ) -> torch.Tensor:
-    """Apply HF's processors and warpers, in HF's order, in float32 (as HF does)."""
-    _, rep, minlen, temp, topk, topp = flags
+    """Apply HF's processors and warpers, in HF's order, in float32 (as HF does).
+
+    Every stage always runs with its value from ``values``; at its "off" value (penalty 1,
+    min_new 0, temperature 1, top_k 0, top_p 1) a stage returns its input exactly, so one graph
+    serves every setting.
+    """
     scores = logits.float()
-    if rep:
-        penalty = values["penalty"]
-        penalised = torch.where(scores < 0, scores * penalty, scores / penalty)
-        scores = torch.where(presence, penalised, scores)
-    if minlen:
-        too_early = (gen_index < values["min_new"]).unsqueeze(-1)  # [B, T, 1]
-        is_eos = torch.zeros(scores.shape[-1], dtype=torch.bool, device=scores.device)
-        is_eos = is_eos.index_fill(0, eos_ids, True)
-        scores = scores.masked_fill(too_early & is_eos, float("-inf"))
-    if temp:
-        scores = scores / values["temperature"]
-    if topk:
-        # kth largest via a sort, so k can be a tensor (no recompile when it changes)
-        k = values["top_k"].clamp(max=scores.shape[-1])
-        desc = scores.sort(dim=-1, descending=True).values
-        kth = desc.index_select(-1, (k - 1).view(1))
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if topp:
-        sorted_scores, order = torch.sort(scores, descending=False)
-        cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-        remove = cum <= (1 - values["top_p"])
-        remove[..., -1:] = False  # min_tokens_to_keep = 1
-        scores = scores.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
-    return scores
+    v = scores.shape[-1]
+    penalty = values["penalty"]
+    penalised = torch.where(scores < 0, scores * penalty, scores / penalty)
+    scores = torch.where(presence & (penalty != 1), penalised, scores)
+    vocab_ids = torch.arange(v, device=scores.device)
+    is_eos = (vocab_ids.unsqueeze(0) == eos_ids.unsqueeze(1)).any(dim=0)  # [V]; -1 matches nothing
+    too_early = (gen_index < values["min_new"]).unsqueeze(-1)  # [B, T, 1]
+    scores = scores.masked_fill(too_early & is_eos, float("-inf"))
+    scores = scores / values["temperature"]
+    # top-k: the kth largest via a sort, so k is a tensor; k = 0 (off) keeps all V
+    top_k = values["top_k"]
+    k = torch.where(top_k > 0, top_k, v).clamp(max=v)
+    desc = scores.sort(dim=-1, descending=True).values
+    kth = desc.index_select(-1, (k - 1).view(1))
+    scores = scores.masked_fill(scores < kth, float("-inf"))
+    # top-p (min_tokens_to_keep = 1); off at top_p = 1
+    top_p = values["top_p"]
+    sorted_scores, order = torch.sort(scores, descending=False)
+    cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+    remove = (cum <= (1 - top_p)) & (top_p < 1)
+    remove[..., -1:] = False
+    return scores.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:

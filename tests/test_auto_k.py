@@ -131,7 +131,7 @@ def test_one_graph_per_k_and_no_recompiles(one_thread):
         assert torch.equal(spec.generate(ids, max_new_tokens=new), target.generate(ids, max_new_tokens=new))
         used |= set(spec.auto_k.history)
         counts.append(len(spec.graphs))
-        assert len(spec.graphs) == 1 + len(used)  # prefill + one round graph per K used so far
+        assert len(spec.graphs) == len(used)  # one round graph per K used so far (prefill runs eagerly)
     assert used == {1, 4}
     assert counts[-1] == counts[-2] == counts[-3]  # warm: nothing compiled any more
 

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.compiled
 @pytest.fixture(scope="module")
 def compiled():
     target, d = pair("llama", "perturbed")
-    spec = specfx.speculate(target, draft=d, num_speculative_tokens=3, compile=True)
+    spec = specfx.speculate(target, draft=d, num_speculative_tokens=3, compile=True, compile_prefill=True)
     ids = prompt(9, seed=1)
     first = spec.generate(ids, max_new_tokens=30)
     return spec, target, d, ids, first

@@ -157,24 +157,34 @@ def test_processors_match_transformers(params):
             hf.append(TopPLogitsWarper(params.top_p))
     expected = hf(history, logits.clone())
     presence = torch.zeros(b, v, dtype=torch.bool).scatter_(1, history, True).unsqueeze(1)
-    values = {
-        "temperature": torch.tensor(params.temperature),
-        "top_k": torch.tensor(params.top_k),
-        "top_p": torch.tensor(params.top_p),
-        "penalty": torch.tensor(params.repetition_penalty),
-        "min_new": torch.tensor(0),
-    }
-    got = process_logits(logits.unsqueeze(1), params.flags, values, presence, torch.zeros(b, 1, dtype=torch.long), torch.tensor([2]))
+    values = {name: torch.tensor(value) for name, value in params.device_values().items()}
+    got = process_logits(logits.unsqueeze(1), values, presence, torch.zeros(b, 1, dtype=torch.long), torch.tensor([2]))
     assert torch.equal(got[:, 0].isinf(), expected.isinf())
     finite = ~expected.isinf()
     assert torch.allclose(got[:, 0][finite], expected[finite], rtol=1e-6, atol=1e-6)
 
 
+def _values(**overrides):
+    values = SamplingParams(do_sample=False).device_values() | overrides
+    return {name: torch.tensor(value) for name, value in values.items()}
+
+
+def test_settings_off_are_exact_no_ops():
+    """One graph serves every setting only if each stage at its off value returns its input
+    bit for bit (greedy output must equal HF's exactly)."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 40) * 5
+    logits[0, 1, 7] = float("-inf")
+    presence = torch.rand(2, 3, 40) > 0.5
+    eos = torch.tensor([3, -1, -1, -1])
+    out = process_logits(logits, _values(), presence, torch.zeros(2, 3, dtype=torch.long), eos)
+    assert torch.equal(out, logits.float())
+
+
 def test_min_new_tokens_masks_eos_only_early():
     logits = torch.zeros(1, 3, 6)
-    values = {"min_new": torch.tensor(2)}
-    flags = (False, False, True, False, False, False)
-    out = process_logits(logits, flags, values, None, torch.tensor([[0, 1, 2]]), torch.tensor([2, 4]))
+    no_presence = torch.zeros(1, 1, 6, dtype=torch.bool)
+    out = process_logits(logits, _values(min_new=2), no_presence, torch.tensor([[0, 1, 2]]), torch.tensor([2, 4, -1]))
     assert out[0, 0, 2].isinf() and out[0, 1, 4].isinf()
     assert not out[0, 2].isinf().any()
     assert not out[0, :, [0, 1, 3, 5]].isinf().any()

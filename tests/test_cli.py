@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from specfx.bench import hf_assisted_kwargs
+from specfx.bench.common import hf_assisted_kwargs
 from specfx.cli import MarkingStreamer, main, render_marked
 from specfx.models.demo import load_demo_pair
 

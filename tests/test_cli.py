@@ -41,6 +41,7 @@ def test_demo_smoke(one_thread, tmp_path, capsys):
     for method in ("HF generate()", "HF assisted (K=4)", "specfx eager"):
         assert method in out
     assert "--- completion ---" in out
+    assert "torch.float32 (shipped as float16), 1 torch thread(s)" in out  # what the speed depends on
     assert plot.exists() and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"plot: {plot.resolve()}" in out
 

@@ -1,11 +1,7 @@
-"""The ``specfx`` command.
+"""The ``specfx`` command: ``specfx demo`` and ``specfx bench`` (:mod:`specfx.bench`).
 
-``specfx demo`` completes held-out code prompts with the shipped demo pair (a small
-Llama-style target and a much smaller draft trained on the Python standard library; see
-``specfx/models/demo_pair/MODEL_CARD.md``), marks the drafted-and-accepted tokens, times HF
-``generate()``, HF assisted generation and specfx on the same prompts, checks that specfx's
-greedy output is identical to HF's, and writes a plot. ``specfx bench`` is the benchmark (see
-:mod:`specfx.bench`).
+The ``--help`` texts are :data:`DESCRIPTION` and the argparse help strings: plain text, since
+argparse prints them as they are.
 """
 
 from __future__ import annotations
@@ -16,7 +12,16 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["main", "demo", "MarkingStreamer"]
+__all__ = ["main", "demo", "MarkingStreamer", "DESCRIPTION"]
+
+DESCRIPTION = (
+    "specfx demo completes held-out code prompts with the shipped demo pair (a small Llama-style "
+    "target and a much smaller draft trained on the Python standard library; see "
+    "specfx/models/demo_pair/MODEL_CARD.md), marks the drafted-and-accepted tokens, times HF "
+    "generate(), HF assisted generation and specfx on the same prompts, checks that specfx's "
+    "greedy output is identical to HF's, and writes a plot. specfx bench is the benchmark "
+    "(specfx bench --help)."
+)
 
 ACCEPTED_ON, ACCEPTED_OFF = "\033[1;32m", "\033[0m"  # bold green on a terminal
 PLAIN_ON, PLAIN_OFF = "«", "»"
@@ -57,24 +62,33 @@ def render_marked(tokenizer, tokens: list[tuple[int, bool]], color: bool) -> str
     return "".join(out)
 
 
+def assisted(target, draft, k: int, ids: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    """HF assisted generation with K constant proposals; the draft's generation_config is
+    changed for this call only."""
+    from specfx.bench.common import hf_assisted
+
+    with hf_assisted(target, draft, k) as kw:
+        return target.generate(ids, **kw, **kwargs)
+
+
 def demo(args) -> int:
-    """``specfx demo``: see the module docstring and ``specfx demo --help``."""
+    """``specfx demo``: see :data:`DESCRIPTION` and ``specfx demo --help``."""
     import specfx
-    from specfx.bench import acceptance_plot, hf_assisted_kwargs, spinner, time_method
+    from specfx.bench.common import spinner, time_method, torch_threads
+    from specfx.bench.plot import acceptance_plot
     from specfx.models.demo import demo_prompts, load_demo_pair
 
     device = torch.device(args.device)
-    saved_threads = torch.get_num_threads()
-    if device.type == "cpu":
-        torch.set_num_threads(args.threads)  # small forwards gain nothing from more threads
-    try:
+    # small forwards are often faster on one thread (README, "Performance notes")
+    with torch_threads(args.threads if device.type == "cpu" else None) as threads:
         with spinner("loading the demo pair"):
             target, draft, tok = load_demo_pair(device)
         n_t = sum(p.numel() for p in target.parameters()) / 1e6
         n_d = sum(p.numel() for p in draft.parameters()) / 1e6
         print(
             f"specfx demo: target {n_t:.1f} M params, draft {n_d:.2f} M params (trained on the Python stdlib), "
-            f"K = {args.k}, {'sampling' if args.sample else 'greedy'}, {device}"
+            f"K = {args.k}, {'sampling' if args.sample else 'greedy'}, {device}, {target.dtype} "
+            f"(shipped as float16), {threads} torch thread(s)"
         )
         texts = args.prompt or [p["text"] for p in demo_prompts()[: args.num_prompts]]
         prompts = [tok(t, return_tensors="pt").input_ids.to(device) for t in texts]
@@ -92,9 +106,7 @@ def demo(args) -> int:
         eager = specfx.speculate(target, draft=draft, num_speculative_tokens=args.k, compile=False)
         methods = {
             "HF generate()": seeded(lambda ids: target.generate(ids, **kw)),
-            f"HF assisted (K={args.k})": seeded(
-                lambda ids: target.generate(ids, **hf_assisted_kwargs(draft, args.k), **kw)
-            ),
+            f"HF assisted (K={args.k})": seeded(lambda ids: assisted(target, draft, args.k, ids, kw)),
             "specfx eager": seeded(lambda ids: eager.generate(ids, **kw)),
         }
         spec = eager
@@ -123,8 +135,6 @@ def demo(args) -> int:
             print("" if texts[i].endswith("\n") else "\n", end="")
             print("--- completion ---")
             print(render_marked(tok, streamer.tokens, color))
-    finally:
-        torch.set_num_threads(saved_threads)
 
     base = rows["HF generate()"]
     print(f"\n{'method':<22}{'tokens/s':>10}{'vs HF generate()':>18}")
@@ -147,19 +157,20 @@ def demo(args) -> int:
         )
     else:
         print(f"greedy output identical to HF generate(): {'yes' if same else 'NO'}")
-    acceptance_plot(
+    png = acceptance_plot(
         args.plot,
         {f"specfx K = {args.k}": st.per_position_rate},
         rows,
         f"Speed ({args.max_new_tokens} new tokens, {device})",
     )
-    print(f"plot: {args.plot.resolve()}")
+    if png is not None:
+        print(f"plot: {png.resolve()}")
     return 0 if same or args.sample else 1
 
 
 def main(argv=None) -> int:
     """Entry point of the ``specfx`` console script."""
-    parser = argparse.ArgumentParser(prog="specfx", description=__doc__.split("\n\n")[1].replace("\n", " "))
+    parser = argparse.ArgumentParser(prog="specfx", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="complete held-out code with the shipped pair; compare with HF")
     d.add_argument("--device", default="cpu", help="torch device (default cpu)")
@@ -171,7 +182,7 @@ def main(argv=None) -> int:
     d.add_argument("--temperature", type=float, default=0.8)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--repeats", type=int, default=2, help="timed runs per method after a warm-up")
-    d.add_argument("--threads", type=int, default=1, help="torch threads on CPU")
+    d.add_argument("--threads", type=int, default=1, help="torch threads on CPU (default 1; the speedup depends on it)")
     d.add_argument("--no-compile", action="store_true", help="eager rounds only (skips the ~1 min compile)")
     d.add_argument("--no-color", action="store_true", help="mark accepted tokens with « » even on a terminal")
     d.add_argument("--plot", type=Path, default=Path("specfx_demo.png"), help="where to write the PNG")
@@ -182,8 +193,8 @@ def main(argv=None) -> int:
 
         return bench_main(argv[1:])
     args = parser.parse_args(argv)
-    if args.k < 1 or args.max_new_tokens < 1 or args.num_prompts < 1 or args.repeats < 1:
-        parser.error("--k, --max-new-tokens, --num-prompts and --repeats must be >= 1")
+    if min(args.k, args.max_new_tokens, args.num_prompts, args.repeats, args.threads) < 1:
+        parser.error("--k, --max-new-tokens, --num-prompts, --repeats and --threads must be >= 1")
     return demo(args)
 
 

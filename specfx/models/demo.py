@@ -27,20 +27,18 @@ def _check_shipped() -> None:
 def load_demo_pair(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
     """Load the shipped pair: ``(target, draft, tokenizer)``, both models in eval mode.
 
-    The weights are stored in float16; they are cast to ``dtype`` (float32 by default, the
-    precision in which greedy output is exactly reproducible) and moved to ``device``.
+    The shipped weights are stored in **float16** (half the size); this returns them cast to
+    ``dtype``, **float32 by default**: the precision in which specfx's greedy output is
+    exactly HF's. (A plain ``AutoModelForCausalLM.from_pretrained(path)`` of the same
+    directory gives float16 models, where greedy output may differ at near-ties.)
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from .local import load_causal_lm, load_tokenizer
 
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype such as torch.float32, got {dtype!r}.")
     _check_shipped()
-    models = [
-        AutoModelForCausalLM.from_pretrained(DEMO_PAIR_DIR / role, dtype=dtype).to(device).eval()
-        for role in ("target", "draft")
-    ]
-    tokenizer = AutoTokenizer.from_pretrained(DEMO_PAIR_DIR / "target")
-    return models[0], models[1], tokenizer
+    target, draft = (load_causal_lm(DEMO_PAIR_DIR / role, dtype, device) for role in ("target", "draft"))
+    return target, draft, load_tokenizer(DEMO_PAIR_DIR / "target")
 
 
 def demo_prompts() -> list[dict]:

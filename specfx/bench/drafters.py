@@ -1,6 +1,6 @@
-"""Drafter benchmark: specfx prompt lookup against HF prompt lookup and HF greedy, fixed K vs auto.
+"""``specfx bench drafters``: specfx prompt lookup against HF prompt lookup and HF greedy, fixed K vs auto.
 
-Run ``python benchmarks/bench_drafters.py --help`` for the flags. One run measures, on the same
+Run ``specfx bench drafters --help`` for the flags. One run measures, on the same
 prompts (batch 1, one after another), the same number of new tokens, greedy, fp32:
 
     hf_dynamic       target.generate()                                     (the baseline, 1.00x)
@@ -10,20 +10,13 @@ prompts (batch 1, one after another), the same number of new tokens, greedy, fp3
 
 specfx generators are compiled (backend "specfx": passes + Inductor) unless ``--no-compile``.
 
-Task: input-grounded code from the Python standard library (offline). Functions of
-``--fn-tokens`` tokens (default 40-90, so that an edit prompt and its continuation fit the
-demo pair's 256-token training context) are cut from the files the demo pair holds out of
-training (the path-hash rule of ``specfx.models.train_pair``), in a fixed order:
+Task: input-grounded code from the Python standard library (offline), the ``edit`` and
+``complete`` prompts of :mod:`specfx.bench.stdlib_code`.
 
-    edit      the function, two blank lines, then its first line again with the function renamed
-              (``name`` -> ``name_v2``): a model that copies from its context continues with
-              the body, i.e. the output repeats a span of the prompt
-    complete  the function's first 3 lines only: the continuation is new code (little to copy)
-
-Timing and checks are those of ``benchmarks/common.py`` (same helpers): warm-up over all prompts
+Timing and checks are :func:`specfx.bench.common.bench_end_to_end`'s: warm-up over all prompts
 (graphs compile there; every K of "auto" is compiled then too), then interleaved timed
 repeats, medians; tokens/s = prompts x new tokens / time; every output is compared token for
-token with hf_dynamic's and the script exits with status 1 if one differs. EOS is disabled so
+token with hf_dynamic's and the command exits with status 1 if one differs. EOS is disabled per call so
 every method generates exactly ``--max-new-tokens``.
 
 Acceptance, from an untimed pass over the same prompts:
@@ -40,36 +33,35 @@ Acceptance, from an untimed pass over the same prompts:
 from __future__ import annotations
 
 import argparse
-import ast
-import hashlib
 import json
 import os
 import platform
-import random
 import sys
-import sysconfig
-import textwrap
 import time
 from collections import Counter
 from pathlib import Path
 
 import torch
-import transformers
-from common import BASELINE, bench_end_to_end, cpu_name, log, n_params
 
-import specfx
-from specfx.models.tiny import tiny_causal_lm
+from .common import BASELINE, NO_EOS, bench_end_to_end, cpu_name, log, n_params, torch_threads
+from .stdlib_code import default_target, load_target, pick_functions, task_prompt
 
-DEMO_TARGET = Path(specfx.__file__).parent / "models" / "demo_pair" / "target"
-HELDOUT_PERMILLE = 50  # specfx.models.train_pair's default split
+__all__ = ["main", "parse_args", "hf_forwards"]
+
+DESCRIPTION = (
+    "Prompt lookup (fixed K and auto) against HF's prompt_lookup_num_tokens and HF greedy, on code\n"
+    "from the Python standard library (edit: the output copies the prompt; complete: new code)."
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="specfx bench drafters", description=DESCRIPTION, formatter_class=argparse.RawTextHelpFormatter
+    )
     p.add_argument(
         "--target",
-        default=str(DEMO_TARGET) if (DEMO_TARGET / "config.json").exists() else "random",
-        help="a causal LM directory (from_pretrained; its tokenizer is used) or 'random' (a random\n"
+        default=default_target(),
+        help="a local model directory (safetensors; its tokenizer is used) or 'random' (a random\n"
         "6-layer llama over UTF-8 bytes: nothing copies, so α is meaningless; default: the demo\n"
         "pair's target when present)",
     )
@@ -84,66 +76,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="timed repeats after the warm-up")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--seed", type=int, default=0, help="which functions are picked")
-    p.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "drafters.json")
-    return p.parse_args(argv)
+    p.add_argument("--json", type=Path, default=Path("bench_results") / "drafters.json", help="where to write results")
+    args = p.parse_args(argv)
+    args.command = "specfx bench drafters " + " ".join(sys.argv[3:] if argv is None else argv)
+    if min(args.num_prompts, args.max_new_tokens, args.repeats, args.threads, *args.ks, *args.auto_values) < 1:
+        p.error("--num-prompts, --max-new-tokens, --repeats, --threads, --ks and --auto-values must be >= 1")
+    return args
 
 
-# ----------------------------------------------------------------------------- prompts
-def heldout_files() -> list[Path]:
-    """Stdlib files held out of the demo pair's training (sorted), by its path-hash rule."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    out = []
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).as_posix()
-        if "site-packages" in rel:
-            continue
-        if int(hashlib.sha256(rel.encode()).hexdigest()[:8], 16) < HELDOUT_PERMILLE * 16**8 // 1000:
-            out.append(path)
-    return out
-
-
-def functions(encode, min_tokens: int, max_tokens: int) -> list[tuple[str, str, str]]:
-    """(file, function name, dedented source) of every function of min..max tokens."""
-    found = []
-    for path in heldout_files():
-        try:
-            text = path.read_text(encoding="utf-8")
-            tree = ast.parse(text)
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        lines = text.splitlines()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and not node.decorator_list:
-                src = textwrap.dedent("\n".join(lines[node.lineno - 1 : node.end_lineno]))
-                if "\t" not in src and min_tokens <= len(encode(src)) <= max_tokens:
-                    found.append((path.name, node.name, src))
-    return found
-
-
-def task_prompt(task: str, name: str, src: str) -> str:
-    # No trailing newline: BPE merges a newline with the next line's indentation, so a prompt
-    # ending in a bare newline would force a token boundary the model never saw in training.
-    if task == "edit":
-        first = src.splitlines()[0].replace(f"def {name}(", f"def {name}_v2(", 1)
-        return f"{src}\n\n\n{first}"
-    return "\n".join(src.splitlines()[:3])
-
-
-# ----------------------------------------------------------------------------- models
-def load_target(spec: str):
-    """(target, encode, description)."""
-    if spec == "random":
-        target = tiny_causal_lm(
-            "llama", vocab_size=512, num_layers=6, hidden_size=256, intermediate_size=704, max_positions=2048
-        )
-        return target, lambda s: list(s.encode("utf-8")), "random 6-layer llama over UTF-8 bytes (α meaningless)"
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    target = AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(spec)
-    return target, lambda s: tok(s, add_special_tokens=False)["input_ids"], f"{spec} (trained)"
-
-
+# ----------------------------------------------------------------------------- acceptance
 class ForwardCounter:
     """Counts a model's forwards and the tokens fed to each (for HF's acceptance)."""
 
@@ -208,8 +149,11 @@ def acceptance(args, methods, specs, target, prompts) -> dict:
     return out
 
 
-def build_methods(args, target, bucket: int):
-    n, common = args.max_new_tokens, dict(max_new_tokens=args.max_new_tokens, do_sample=False)
+def build_methods(args, target, bucket: int, pad: int):
+    import specfx
+
+    n = args.max_new_tokens
+    common = dict(max_new_tokens=n, do_sample=False, pad_token_id=pad, **NO_EOS)
     methods = {BASELINE: lambda ids: target.generate(ids, attention_mask=torch.ones_like(ids), **common)}
     for k in args.ks:
         methods[f"hf_lookup_k{k}"] = lambda ids, k=k: target.generate(
@@ -228,7 +172,7 @@ def build_methods(args, target, bucket: int):
         target, draft=drafter, num_speculative_tokens="auto", auto_k_values=tuple(args.auto_values), **options
     )
     for name, spec in specs.items():
-        methods[name] = lambda ids, spec=spec: spec.generate(ids, max_new_tokens=n)
+        methods[name] = lambda ids, spec=spec: spec.generate(ids, max_new_tokens=n, pad_token_id=pad, **NO_EOS)
     return methods, specs
 
 
@@ -245,7 +189,9 @@ def compile_every_k(specs) -> None:
 # ----------------------------------------------------------------------------- report
 def print_task(task: str, results: dict, acc: dict, ks) -> None:
     print(f"\n## task: {task}\n")
-    print("| method | tokens/s | vs HF greedy | vs HF lookup (same K) | τ | α | fwd/tok | K used (auto) | same tokens |")
+    print(
+        "| method | tokens/s | vs HF greedy | vs HF lookup (same K) | τ | α | fwd/tok | K used (auto) | same tokens |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for name, res in results.items():
         if res["status"] != "ok":
@@ -265,27 +211,38 @@ def print_task(task: str, results: dict, acc: dict, ks) -> None:
 
 
 def main(argv=None) -> int:
+    """``specfx bench drafters``: returns 0, or 1 if a method's tokens differ from HF greedy."""
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
+    try:
+        target, encode, desc = load_target(args.target)
+    except ValueError as e:  # a bad --target: the message says what to pass instead
+        raise SystemExit(f"specfx bench drafters: error: {e}") from None
+    with torch_threads(args.threads):
+        return run(args, target, encode, desc)
+
+
+def run(args, target, encode, desc: str) -> int:
+    import transformers
+
+    import specfx
+
     t_start = time.perf_counter()
     load_start = os.getloadavg()
-    target, encode, desc = load_target(args.target)
-    target.generation_config.eos_token_id = None  # every method generates exactly max_new_tokens
-    if target.generation_config.pad_token_id is None:
-        target.generation_config.pad_token_id = 0
-
-    pool = functions(encode, *args.fn_tokens)
-    random.Random(args.seed).shuffle(pool)
-    picked = pool[: args.num_prompts]
+    print(f"specfx bench drafters: {desc}; float32, {torch.get_num_threads()} torch thread(s)", flush=True)
+    pad = target.generation_config.pad_token_id
+    pad = 0 if pad is None else pad
+    picked, n_pool = pick_functions(encode, args.fn_tokens, args.num_prompts, args.seed)
     prompts = {
         task: [torch.tensor([encode(task_prompt(task, name, src))]) for _, name, src in picked] for task in args.tasks
     }
     longest = max(p.shape[1] for ps in prompts.values() for p in ps)
     bucket = -(-longest // 64) * 64
-    log(f"target: {desc}; {len(pool)} functions in held-out stdlib files, using {[f'{f}:{n}' for f, n, _ in picked]}")
-    log(f"prompt lengths: { {t: [p.shape[1] for p in ps] for t, ps in prompts.items()} } tokens; prefill bucket {bucket}")
+    log(f"target: {desc}; {n_pool} functions in held-out stdlib files, using {[f'{f}:{n}' for f, n, _ in picked]}")
+    log(
+        f"prompt lengths: { {t: [p.shape[1] for p in ps] for t, ps in prompts.items()} } tokens; prefill bucket {bucket}"
+    )
 
-    methods, specs = build_methods(args, target, bucket)
+    methods, specs = build_methods(args, target, bucket, pad)
     report = {}
     failed = False
     for task, ps in prompts.items():
@@ -313,15 +270,18 @@ def main(argv=None) -> int:
         max_new_tokens=args.max_new_tokens,
         max_ngram=args.max_ngram,
         auto_values=args.auto_values,
-        versions={m.__name__: m.__version__ for m in (torch, transformers, specfx)} | {"python": platform.python_version()},
+        versions={m.__name__: m.__version__ for m in (torch, transformers, specfx)}
+        | {"python": platform.python_version()},
         machine=dict(cpu=cpu_name(), cpus=os.cpu_count(), threads=torch.get_num_threads()),
         load_avg=dict(start=load_start, end=os.getloadavg()),
         wall_s=time.perf_counter() - t_start,
-        command=" ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        command=args.command,
     )
     m = meta["machine"]
     print(f"\ntarget: {desc}, {meta['target_params'] / 1e6:.2f} M parameters; {m['cpu']}, {m['threads']} thread(s)")
-    print(f"total {meta['wall_s']:.0f} s; load average {load_start[0]:.2f} at start, {meta['load_avg']['end'][0]:.2f} at end")
+    print(
+        f"total {meta['wall_s']:.0f} s; load average {load_start[0]:.2f} at start, {meta['load_avg']['end'][0]:.2f} at end"
+    )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(dict(meta=meta, tasks=report), indent=1, default=str))
     print(f"wrote {args.json}")
@@ -329,7 +289,3 @@ def main(argv=None) -> int:
         print("ERROR: some method's tokens differ from HF greedy", file=sys.stderr)
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

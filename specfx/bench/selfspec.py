@@ -1,6 +1,6 @@
-"""Self-speculation benchmark: specfx early exit and MTP heads against HF's equivalents, one run.
+"""``specfx bench selfspec``: specfx early exit and MTP heads against HF's equivalents, one run.
 
-Run ``python benchmarks/bench_selfspec.py --help`` for the flags. Per family, on the same
+Run ``specfx bench selfspec --help`` for the flags. Per family, on the same
 prompts (batch 1, one after another), the same number of new tokens, greedy, fp32:
 
   early_exit   target: ``--target`` (a causal LM directory; default the demo pair's target) or
@@ -8,7 +8,8 @@ prompts (batch 1, one after another), the same number of new tokens, greedy, fp3
       hf_dynamic              target.generate()                                  (baseline, 1.00x)
       hf_early_exit_n{N}      target.generate(assistant_early_exit=N), K constant draft tokens a
                               round (num_assistant_tokens=K, schedule "constant", threshold 0, set
-                              on the target's generation_config, which HF reads for its assistant)
+                              on the target's generation_config, which HF reads for its assistant,
+                              during each call only: :func:`specfx.bench.common.hf_assisted`)
       specfx_early_exit_n{N}  specfx.speculate(target, draft="early_exit:N", num_speculative_tokens=K)
   mtp          target: ``--mtp-target`` (a checkpoint directory with MTP weights) or ``random``
                (default: a random Mellum-shaped MoE model with one random MTP layer, written to a
@@ -19,9 +20,9 @@ prompts (batch 1, one after another), the same number of new tokens, greedy, fp3
                               K = the number of MTP layers (HF's K) and ``--ks`` (chained beyond it)
 
 Prompts: functions from the stdlib files the demo pair holds out of training (the first lines
-of each, ``bench_drafters.py``'s "complete" task); a random target reads them as UTF-8 bytes.
+of each, the "complete" task of :mod:`specfx.bench.stdlib_code`); a random target reads them as UTF-8 bytes.
 Timing, warm-up (graphs compile there) and the token-for-token check against hf_dynamic are
-``common.py``'s; the script exits with status 1 if an output differs.
+:func:`specfx.bench.common.bench_end_to_end`'s; the command exits with status 1 if an output differs.
 
 Acceptance, from an untimed pass: a forward pre-hook on the target's *last decoder layer*
 counts full-depth target forwards (HF's early-exit drafts stop before that layer, MTP layers
@@ -37,31 +38,40 @@ import argparse
 import json
 import os
 import platform
-import random
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-import transformers
-from bench_drafters import DEMO_TARGET, functions, load_target, task_prompt
-from common import BASELINE, bench_end_to_end, cpu_name, log, n_params
 
-import specfx
-from specfx.early_exit import decoder_layer_names
-from specfx.models.tiny import tiny_causal_lm
+from ..early_exit import decoder_layer_names
+from .common import BASELINE, NO_EOS, bench_end_to_end, cpu_name, hf_assisted, log, n_params, torch_threads
+from .stdlib_code import default_target, load_target, pick_functions, task_prompt
+
+__all__ = ["main", "parse_args", "random_mtp_checkpoint"]
+
+DESCRIPTION = (
+    "Self-speculation: specfx early exit against HF's assistant_early_exit, and specfx MTP heads\n"
+    "against HF's use_mtp (tokens/s, τ, α, in one run)."
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="specfx bench selfspec", description=DESCRIPTION, formatter_class=argparse.RawTextHelpFormatter
+    )
     p.add_argument("--families", nargs="+", default=["early_exit", "mtp"], choices=("early_exit", "mtp"))
     p.add_argument(
         "--target",
-        default=str(DEMO_TARGET) if (DEMO_TARGET / "config.json").exists() else "random",
-        help="early-exit target: a causal LM directory or 'random' (default: the demo pair's target)",
+        default=default_target(),
+        help="early-exit target: a local model directory (safetensors) or 'random' (default: the demo pair's target)",
     )
-    p.add_argument("--mtp-target", default="random", help="MTP target: a checkpoint directory with MTP weights, or 'random'")
+    p.add_argument(
+        "--mtp-target",
+        default="random",
+        help="MTP target: a local checkpoint directory with MTP weights (safetensors), or 'random'",
+    )
     p.add_argument("--exit-layers", type=int, nargs="+", default=[2], help="N of early_exit:N")
     p.add_argument("--k", type=int, default=4, help="K of the early-exit methods (HF and specfx)")
     p.add_argument("--ks", type=int, nargs="+", default=[3], help="extra K values of specfx MTP (chained layers)")
@@ -72,8 +82,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="timed repeats after the warm-up")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--seed", type=int, default=0, help="which functions are picked")
-    p.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "selfspec.json")
-    return p.parse_args(argv)
+    p.add_argument("--json", type=Path, default=Path("bench_results") / "selfspec.json", help="where to write results")
+    args = p.parse_args(argv)
+    args.command = "specfx bench selfspec " + " ".join(sys.argv[3:] if argv is None else argv)
+    if min(args.k, args.num_prompts, args.max_new_tokens, args.repeats, args.threads, *args.ks, *args.exit_layers) < 1:
+        p.error("--k, --ks, --exit-layers, --num-prompts, --max-new-tokens, --repeats and --threads must be >= 1")
+    return args
 
 
 # ----------------------------------------------------------------------------- targets
@@ -81,9 +95,10 @@ def random_mtp_checkpoint(directory: str):
     """A random Mellum-shaped MoE target with one random MTP layer, saved with its MTP weights
     (under ``mtp.``, where transformers' MtpModel.from_pretrained looks) and loaded back."""
     from safetensors.torch import load_file, save_file
-    from transformers import AutoModelForCausalLM
 
-    from specfx.mtp import random_mtp_layers
+    from ..models.local import load_causal_lm
+    from ..models.tiny import tiny_causal_lm
+    from ..mtp import random_mtp_layers
 
     model = tiny_causal_lm(
         "mellum", vocab_size=512, num_layers=6, hidden_size=256, intermediate_size=704, num_attention_heads=4,
@@ -98,7 +113,7 @@ def random_mtp_checkpoint(directory: str):
         if not name.startswith(("embed_tokens.", "shared_head.")):  # shared with the target
             tensors["mtp." + name] = t.contiguous()
     save_file(tensors, file, metadata={"format": "pt"})
-    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="sdpa").eval()
+    return load_causal_lm(directory, torch.float32, attn_implementation="sdpa")
 
 
 def load_mtp_target(spec: str, tmp: str):
@@ -106,34 +121,34 @@ def load_mtp_target(spec: str, tmp: str):
     if spec == "random":
         desc = "random Mellum-shaped MoE (6 layers, 4 experts) + 1 random MTP layer over UTF-8 bytes (α meaningless)"
         return random_mtp_checkpoint(tmp), lambda s: list(s.encode("utf-8")), desc
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    target = AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(spec)
-    return target, lambda s: tok(s, add_special_tokens=False)["input_ids"], spec
+    return load_target(spec)
 
 
 # ----------------------------------------------------------------------------- methods
-def early_exit_methods(args, target, bucket: int):
-    n, common = args.max_new_tokens, dict(max_new_tokens=args.max_new_tokens, do_sample=False)
-    # HF's early-exit assistant is the target itself, so it reads these from the target's config
-    gc = target.generation_config
-    gc.num_assistant_tokens, gc.num_assistant_tokens_schedule, gc.assistant_confidence_threshold = args.k, "constant", 0.0
+def hf_early_exit(target, layer: int, k: int, ids, common: dict):
+    """HF's early exit with K constant proposals (HF reads K from the target's own
+    generation_config: set for this call only)."""
+    with hf_assisted(target, f"early_exit:{layer}", k) as assisted:
+        return target.generate(ids, attention_mask=torch.ones_like(ids), **assisted, **common)
+
+
+def early_exit_methods(args, target, bucket: int, common: dict):
+    import specfx
+
     methods = {BASELINE: lambda ids: target.generate(ids, attention_mask=torch.ones_like(ids), **common)}
     specs = {}
     options = dict(prefill_buckets=(bucket,), compile=not args.no_compile, num_speculative_tokens=args.k)
     for layer in args.exit_layers:
-        methods[f"hf_early_exit_n{layer}"] = lambda ids, layer=layer: target.generate(
-            ids, attention_mask=torch.ones_like(ids), assistant_early_exit=layer, **common
-        )
+        methods[f"hf_early_exit_n{layer}"] = lambda ids, layer=layer: hf_early_exit(target, layer, args.k, ids, common)
         specs[f"specfx_early_exit_n{layer}"] = specfx.speculate(target, draft=f"early_exit:{layer}", **options)
     for name, spec in specs.items():
-        methods[name] = lambda ids, spec=spec: spec.generate(ids, max_new_tokens=n)
+        methods[name] = lambda ids, spec=spec: spec.generate(ids, **common)
     return methods, specs
 
 
-def mtp_methods(args, target, bucket: int):
-    n, common = args.max_new_tokens, dict(max_new_tokens=args.max_new_tokens, do_sample=False)
+def mtp_methods(args, target, bucket: int, common: dict):
+    import specfx
+
     methods = {
         BASELINE: lambda ids: target.generate(ids, attention_mask=torch.ones_like(ids), **common),
         "hf_mtp": lambda ids: target.generate(ids, attention_mask=torch.ones_like(ids), use_mtp=True, **common),
@@ -145,7 +160,7 @@ def mtp_methods(args, target, bucket: int):
         for k in sorted({depth, *args.ks})
     }
     for name, spec in specs.items():
-        methods[name] = lambda ids, spec=spec: spec.generate(ids, max_new_tokens=n)
+        methods[name] = lambda ids, spec=spec: spec.generate(ids, **common)
     return methods, specs
 
 
@@ -219,8 +234,21 @@ def print_family(family: str, results: dict, acc: dict) -> None:
 
 
 def main(argv=None) -> int:
+    """``specfx bench selfspec``: returns 0, or 1 if a method's tokens differ from HF greedy."""
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
+    with torch_threads(args.threads):
+        try:
+            return run(args)
+        except ValueError as e:  # a bad --target/--mtp-target (checked before loading)
+            raise SystemExit(f"specfx bench selfspec: error: {e}") from None
+
+
+def run(args) -> int:
+    import transformers
+
+    import specfx
+
+    print(f"specfx bench selfspec: float32, {torch.get_num_threads()} torch thread(s)", flush=True)
     t_start = time.perf_counter()
     load_start = os.getloadavg()
     report, failed, meta = {}, False, {}
@@ -230,17 +258,15 @@ def main(argv=None) -> int:
                 target, encode, desc = load_target(args.target)
             else:
                 target, encode, desc = load_mtp_target(args.mtp_target, tmp)
-            target.generation_config.eos_token_id = None  # every method generates exactly max_new_tokens
-            if target.generation_config.pad_token_id is None:
-                target.generation_config.pad_token_id = 0
-            pool = functions(encode, *args.fn_tokens)
-            random.Random(args.seed).shuffle(pool)
-            picked = pool[: args.num_prompts]
+            pad = target.generation_config.pad_token_id
+            # every method generates exactly max_new_tokens; set per call, the model is not changed
+            common = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=pad or 0, **NO_EOS)
+            picked, _ = pick_functions(encode, args.fn_tokens, args.num_prompts, args.seed)
             prompts = [torch.tensor([encode(task_prompt("complete", name, src))]) for _, name, src in picked]
             bucket = -(-max(p.shape[1] for p in prompts) // 64) * 64
             log(f"[{family}] target: {desc}; prompts {[p.shape[1] for p in prompts]} tokens, bucket {bucket}")
             build = early_exit_methods if family == "early_exit" else mtp_methods
-            methods, specs = build(args, target, bucket)
+            methods, specs = build(args, target, bucket, common)
             results = bench_end_to_end(args, methods, prompts)
             live = {n: m for n, m in methods.items() if results[n]["status"] == "ok"}
             acc = acceptance(args, live, specs, target, prompts)
@@ -257,11 +283,12 @@ def main(argv=None) -> int:
     meta.update(
         max_new_tokens=args.max_new_tokens,
         k=args.k,
-        versions={m.__name__: m.__version__ for m in (torch, transformers, specfx)} | {"python": platform.python_version()},
+        versions={m.__name__: m.__version__ for m in (torch, transformers, specfx)}
+        | {"python": platform.python_version()},
         machine=dict(cpu=cpu_name(), cpus=os.cpu_count(), threads=torch.get_num_threads()),
         load_avg=dict(start=load_start, end=os.getloadavg()),
         wall_s=time.perf_counter() - t_start,
-        command=" ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        command=args.command,
     )
     print(f"\n{meta['machine']['cpu']}, {meta['machine']['threads']} thread(s); total {meta['wall_s']:.0f} s; "
           f"load average {load_start[0]:.2f} at start, {meta['load_avg']['end'][0]:.2f} at end")  # fmt: skip
@@ -272,7 +299,3 @@ def main(argv=None) -> int:
         print("ERROR: some method's tokens differ from HF greedy", file=sys.stderr)
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

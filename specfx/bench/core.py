@@ -1,11 +1,13 @@
-"""``specfx bench``: specfx against Hugging Face generation, side by side in one process.
+"""``specfx bench`` (the default task): specfx against Hugging Face generation, side by side in one process.
 
-Run ``specfx bench --help`` for the flags. Models: the shipped demo pair (default), or local
+Run ``specfx bench --help`` for the flags; ``specfx bench drafters`` and ``specfx bench selfspec``
+are the other tasks (:mod:`specfx.bench.drafters`, :mod:`specfx.bench.selfspec`). Models: the shipped demo pair (default), or local
 paths (``--target PATH --draft PATH``), or a named drafter (``--draft prompt_lookup``,
 ``early_exit:N``, ``mtp``: the string is passed to :func:`specfx.speculate` and mapped to HF's
 equivalent). Prompts: the demo pair's held-out code prompts, tokenized with the target's
 tokenizer and left-padded into batches. Methods, all greedy, same prompts, same number of new
-tokens (EOS disabled on both models so every method generates exactly ``--max-new-tokens``):
+tokens (EOS disabled per call, ``eos_token_id=None``, so every method generates exactly
+``--max-new-tokens``; the models' generation_config is never changed):
 
     hf_dynamic          target.generate()                       (DynamicCache, HF's default; the baseline)
     hf_static           target.generate(cache_implementation="static")
@@ -27,7 +29,8 @@ if one differs.
 HF assisted generation reads ``num_assistant_tokens``, its schedule and
 ``assistant_confidence_threshold`` from the *assistant's* generation_config (passed to
 ``target.generate()`` they land in the target's config and are ignored), so K, "constant" and
-threshold 0 are set on the draft's config.
+threshold 0 are set on the draft's config (the target's for early exit) during each call and
+restored after it (:func:`specfx.bench.common.hf_assisted`).
 
 Round overhead (``--round-overhead``; DESIGN.md, "Performance, measured honestly"): for each
 specfx method with a draft model, after its timed runs, ``overhead = round / (K x draft step +
@@ -59,29 +62,51 @@ import os
 import platform
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Callable
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
-__all__ = ["main", "parse_args", "spinner", "time_method", "acceptance_plot", "hf_assisted_kwargs"]
+from ..models.local import check_model_dir, load_causal_lm, load_tokenizer
+from .common import (
+    BASELINE,
+    NO_EOS,
+    first_mismatch,
+    hf_assisted,
+    hf_compile_config,
+    log,
+    median_call_time,
+    run_batches,
+    spinner,
+    sync_fn,
+    torch_threads,
+)
+from .plot import acceptance_plot
 
-BASELINE = "hf_dynamic"
+__all__ = ["main", "parse_args", "run", "load_models", "DESCRIPTION"]
+
+DESCRIPTION = (
+    "specfx against Hugging Face generation, side by side in one process (the default task).\n"
+    "Other tasks: 'specfx bench drafters --help' (prompt lookup and adaptive K against HF's\n"
+    "prompt lookup), 'specfx bench selfspec --help' (early exit and MTP heads against HF's)."
+)
+NAMED_DRAFTERS = ("prompt_lookup", "early_exit", "mtp")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     """Parse ``specfx bench`` arguments; adds ``k_values``, ``batch_values`` and ``skip_set``."""
     p = argparse.ArgumentParser(
-        prog="specfx bench", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+        prog="specfx bench", description=DESCRIPTION, formatter_class=argparse.RawTextHelpFormatter
     )
-    p.add_argument("--target", default=None, help="local HF model path (default: the shipped demo target)")
+    p.add_argument(
+        "--target", default=None, help="local model directory, safetensors weights (default: the shipped demo target)"
+    )
     p.add_argument(
         "--draft",
         default=None,
-        help="local HF model path, or a named drafter: prompt_lookup, early_exit:N, mtp\n"
+        help="local model directory (safetensors), or a named drafter: prompt_lookup, early_exit:N, mtp\n"
         "(default: the shipped demo draft, or prompt_lookup when --target is given)",
     )
     p.add_argument("--k", default="2,4,8", help="comma-separated K values (default 2,4,8)")
@@ -93,7 +118,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--no-compile", action="store_true", help="skip hf_static_compiled and specfx_compiled")
     p.add_argument("--skip", default="", help="comma-separated methods to skip (e.g. hf_static,hf_assisted)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: 1 on CPU)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: 1 on CPU, where small models are often faster on one;\n"
+        "the speedup over HF depends on it, see README 'Performance notes')",
+    )
     p.add_argument("--out", type=Path, default=Path("bench_results"), help="output directory")
     p.add_argument(
         "--round-overhead",
@@ -112,78 +143,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--k and --batch-sizes need at least one positive integer each")
     if args.max_new_tokens < 1 or args.num_prompts < 1 or args.repeats < 1 or args.micro_iters < 1:
         p.error("--max-new-tokens, --num-prompts, --repeats and --micro-iters must be >= 1")
+    if args.threads is not None and args.threads < 1:
+        p.error(f"--threads must be >= 1, got {args.threads}")
     args.skip_set = {s.strip() for s in args.skip.split(",") if s.strip()}
     return args
 
 
-# ----------------------------------------------------------------------------- helpers
-def log(msg: str) -> None:
-    from tqdm.auto import tqdm
-
-    tqdm.write(msg, file=sys.stderr)
-
-
-@contextmanager
-def spinner(desc: str):
-    """A progress line that counts elapsed seconds while a long step (a compile) runs."""
-    from tqdm.auto import tqdm
-
-    bar = tqdm(desc=desc, total=None, bar_format="{desc}: {elapsed} elapsed", file=sys.stderr, leave=True)
-    stop = threading.Event()
-
-    interval = 0.5 if sys.stderr.isatty() else 15.0  # a log file gets a line per refresh
-
-    def tick():
-        while not stop.wait(interval):
-            bar.refresh()
-
-    thread = threading.Thread(target=tick, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
-        bar.close()
-
-
-def sync_fn(device: torch.device) -> Callable[[], None]:
-    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-
-def run_batches(fn, batches, sync) -> tuple[float, list[torch.Tensor]]:
-    """Seconds for ``fn`` over every batch, and the outputs (on CPU)."""
-    sync()
-    t0 = time.perf_counter()
-    outs = [fn(b) for b in batches]
-    sync()
-    return time.perf_counter() - t0, [o.cpu() for o in outs]
-
-
-def time_method(fn, batches, repeats: int, sync=lambda: None) -> tuple[float, list[torch.Tensor]]:
-    """Median seconds of ``repeats`` runs over all batches after one warm-up run, and the outputs."""
-    run_batches(fn, batches, sync)
-    times, outs = [], []
-    for _ in range(repeats):
-        dt, outs = run_batches(fn, batches, sync)
-        times.append(dt)
-    return statistics.median(times), outs
-
-
-def median_call_time(fn: Callable[[], object], iters: int, sync=lambda: None, warmup: int = 3) -> float:
-    """Median seconds of ``iters`` individually timed calls of ``fn`` after ``warmup`` calls."""
-    for _ in range(warmup):
-        fn()
-    sync()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
+# ----------------------------------------------------------------------------- round overhead
 def round_overhead(spec, k: int, batch: dict, max_new_tokens: int, iters: int, compiled: bool, sync) -> dict:
     """Round time vs K draft steps + 1 verify of K+1 tokens, timed separately (module docstring)."""
     draft = getattr(spec.drafter, "runner", None)
@@ -215,110 +181,33 @@ def round_overhead(spec, k: int, batch: dict, max_new_tokens: int, iters: int, c
     return out
 
 
-def hf_assisted_kwargs(draft, k: int) -> dict:
-    """``target.generate()`` kwargs for HF's counterpart of specfx's drafter ``draft``."""
-    if isinstance(draft, str):
-        name, _, arg = draft.partition(":")
-        if name == "prompt_lookup":
-            return {"prompt_lookup_num_tokens": k}
-        if name == "early_exit":
-            return {"assistant_early_exit": int(arg)}
-        if name == "mtp":
-            return {"use_mtp": True}
-        raise ValueError(f"no HF counterpart known for drafter {draft!r}")
-    gc = draft.generation_config  # assisted generation reads these from the assistant's config
-    gc.num_assistant_tokens = k
-    gc.num_assistant_tokens_schedule = "constant"
-    gc.assistant_confidence_threshold = 0.0
-    return {"assistant_model": draft}
-
-
-def hf_compile_config(device: torch.device):
-    from transformers import CompileConfig
-
-    # HF's default mode is "reduce-overhead" (CUDA graphs); there are no CUDA graphs on CPU.
-    cc = CompileConfig(fullgraph=True, dynamic=False, mode="reduce-overhead" if device.type == "cuda" else "default")
-    cc._compile_all_devices = True  # HF auto-compiles only on accelerators unless this is set
-    return cc
-
-
-def first_mismatch(a: torch.Tensor, b: torch.Tensor) -> int | None:
-    """Index of the first differing column of two ``[B, S]`` outputs (None if equal)."""
-    if a.shape == b.shape and torch.equal(a, b):
-        return None
-    n = min(a.shape[1], b.shape[1])
-    diff = (a[:, :n] != b[:, :n]).any(0).nonzero()
-    return int(diff[0]) if diff.numel() else n
-
-
-def acceptance_plot(path: Path, per_position: dict, speeds: dict, speed_title: str, x_label: str = "") -> None:
-    """Two panels: acceptance rate by proposal position (one line per label) and speed bars
-    (``speeds``: label -> tokens/s, or label -> {x: tokens/s} for lines over ``x_label``)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(11, 4.2), layout="constrained")
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 2, 1)
-    for label, rates in per_position.items():
-        ax.plot(range(1, len(rates) + 1), rates, marker="o", label=label)
-    ax.set(xlabel="proposal position", ylabel="acceptance rate", ylim=(0, 1.02), title="Acceptance by position")
-    ax.set_xticks(range(1, max((len(r) for r in per_position.values()), default=1) + 1))
-    ax.grid(alpha=0.3)
-    if per_position:
-        ax.legend(fontsize=8)
-    ax = fig.add_subplot(1, 2, 2)
-    if speeds and all(isinstance(v, dict) for v in speeds.values()):
-        for label, series in speeds.items():
-            xs = sorted(series)
-            ax.plot(xs, [series[x] for x in xs], marker="o", label=label)
-        ax.set(xlabel=x_label, ylabel="tokens/s")
-        ax.legend(fontsize=8)
-    else:
-        names = list(speeds)
-        ax.barh(names, [speeds[n] for n in names], color="tab:blue")
-        ax.invert_yaxis()
-        ax.set(xlabel="tokens/s")
-    ax.set(title=speed_title)
-    ax.grid(alpha=0.3)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-
-
 # ----------------------------------------------------------------------------- models & prompts
 def load_models(args, device, dtype):
-    """(target, draft model or drafter name, tokenizer or None, description)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """(target, draft model or drafter name, tokenizer or None, description). Paths are local
+    model directories with safetensors weights (:mod:`specfx.models.local`); a bad one raises
+    ValueError before anything is loaded."""
+    from ..models.demo import load_demo_pair
 
-    from .models.demo import load_demo_pair
-
+    draft = args.draft
+    load_draft = draft is not None and draft.partition(":")[0] not in NAMED_DRAFTERS
+    if load_draft:
+        check_model_dir(draft)  # a bad path fails now, not after the target's load
     if args.target is None:
         target, draft_model, tok = load_demo_pair(device, dtype)
         desc = "shipped demo pair (specfx/models/demo_pair)"
     else:
-        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
-        draft_model = None
-        try:
-            tok = AutoTokenizer.from_pretrained(args.target)
-        except (OSError, ValueError):
-            tok = None
-        desc = f"target {args.target}"
-    draft = args.draft
+        target, draft_model = load_causal_lm(args.target, dtype, device), None
+        tok, desc = load_tokenizer(args.target), f"target {args.target}"
     if draft is None:
         draft = draft_model if draft_model is not None else "prompt_lookup"
-    elif Path(draft).exists():
-        draft = AutoModelForCausalLM.from_pretrained(draft, dtype=dtype).to(device).eval()
-    elif ":" not in draft and "/" in draft:
-        raise ValueError(f"--draft {draft!r} is neither an existing local path nor a drafter name.")
-    for m in (target, draft):
-        if not isinstance(m, str):
-            m.generation_config.eos_token_id = None  # every method generates exactly max_new_tokens
+    elif load_draft:
+        draft = load_causal_lm(draft, dtype, device)
     return target, draft, tok, desc + (f", draft {args.draft}" if args.draft else "")
 
 
 def make_batches(tok, vocab: int, batch: int, num_prompts: int, device) -> list[dict]:
     """Left-padded batches of held-out code prompts (random ids when there is no tokenizer)."""
-    from .models.demo import demo_prompts
+    from ..models.demo import demo_prompts
 
     texts = [p["text"] for p in demo_prompts()]
     n_batches = max(1, math.ceil(num_prompts / batch))
@@ -340,7 +229,7 @@ def build_methods(args, target, draft, batch: int, device) -> tuple[dict, dict]:
     import specfx
 
     n = args.max_new_tokens
-    greedy = dict(max_new_tokens=n, do_sample=False, pad_token_id=target.generation_config.pad_token_id)
+    greedy = dict(max_new_tokens=n, do_sample=False, pad_token_id=target.generation_config.pad_token_id, **NO_EOS)
     methods: dict[str, Callable] = {
         "hf_dynamic": lambda b: target.generate(**b, **greedy),
         "hf_static": lambda b: target.generate(**b, cache_implementation="static", **greedy),
@@ -353,8 +242,7 @@ def build_methods(args, target, draft, batch: int, device) -> tuple[dict, dict]:
     specs = {}
     for k in args.k_values:
         if batch == 1:
-            kw = hf_assisted_kwargs(draft, k)
-            methods[f"hf_assisted@{k}"] = lambda b, kw=kw: target.generate(**b, **kw, **greedy)
+            methods[f"hf_assisted@{k}"] = lambda b, k=k: assisted_generate(target, draft, k, b, greedy)
         for compiled in (False, True) if not args.no_compile else (False,):
             name = f"specfx_{'compiled' if compiled else 'eager'}@{k}"
             spec = specfx.speculate(target, draft=draft, num_speculative_tokens=k, compile=compiled)
@@ -362,6 +250,12 @@ def build_methods(args, target, draft, batch: int, device) -> tuple[dict, dict]:
             specs[name] = spec
     skip = {m for m in methods if m.split("@")[0] in args.skip_set or m in args.skip_set}
     return {m: f for m, f in methods.items() if m not in skip}, {m: s for m, s in specs.items() if m not in skip}
+
+
+def assisted_generate(target, draft, k: int, batch: dict, kwargs: dict) -> torch.Tensor:
+    """HF assisted generation with K constant proposals (settings restored after the call)."""
+    with hf_assisted(target, draft, k) as assisted:
+        return target.generate(**batch, **assisted, **kwargs)
 
 
 def bench_batch(args, methods, specs, batches, sync) -> dict:
@@ -469,17 +363,25 @@ def markdown_table(runs: dict) -> str:
 
 def main(argv=None) -> int:
     """``specfx bench``: returns 0, or 1 if a method's greedy output differs from HF's."""
+    args = parse_args(argv)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    try:
+        target, draft, tok, desc = load_models(args, device, dtype)
+    except ValueError as e:  # a bad --target/--draft: the message says what to pass instead
+        raise SystemExit(f"specfx bench: error: {e}") from None
+    return run(args, target, draft, tok, desc, argv)
+
+
+def run(args, target, draft, tok, desc: str, argv=None) -> int:
+    """Benchmark loaded models (``args`` from :func:`parse_args`); writes ``args.out`` and returns
+    the exit status. ``target`` and ``draft`` leave unchanged, generation_config included."""
     import transformers
 
     import specfx
 
-    args = parse_args(argv)
-    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    saved_threads = torch.get_num_threads()
-    if args.threads is not None or device.type == "cpu":
-        torch.set_num_threads(args.threads or 1)  # small forwards gain nothing from more threads
-    try:
-        target, draft, tok, desc = load_models(args, device, dtype)
+    device = torch.device(args.device)
+    with torch_threads(args.threads or (1 if device.type == "cpu" else None)) as threads:
+        print(f"specfx bench: {desc}; {args.dtype}, {device}, {threads} torch thread(s)", flush=True)
         sync = sync_fn(device)
         t_start = time.perf_counter()
         runs = {}
@@ -488,8 +390,6 @@ def main(argv=None) -> int:
             batches = make_batches(tok, target.config.vocab_size, batch, args.num_prompts, device)
             methods, specs = build_methods(args, target, draft, batch, device)
             runs[batch] = bench_batch(args, methods, specs, batches, sync)
-    finally:
-        torch.set_num_threads(saved_threads)
 
     meta = dict(
         models=desc,
@@ -501,7 +401,7 @@ def main(argv=None) -> int:
         python=platform.python_version(),
         machine=platform.processor() or platform.machine(),
         cpu_count=os.cpu_count(),
-        threads=args.threads or (1 if device.type == "cpu" else saved_threads),
+        threads=threads,
         device=str(device),
         gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         load_avg_end=os.getloadavg() if hasattr(os, "getloadavg") else None,
@@ -515,7 +415,7 @@ def main(argv=None) -> int:
     (args.out / "bench.json").write_text(json.dumps(dict(config=config, meta=meta, runs=runs), indent=2))
     table = markdown_table(runs)
     header = (
-        f"{desc}; greedy, {args.dtype}, {args.device}, {args.max_new_tokens} new tokens, "
+        f"{desc}; greedy, {args.dtype}, {args.device}, {threads} torch thread(s), {args.max_new_tokens} new tokens, "
         f"torch {meta['torch']}, transformers {meta['transformers']}\n\n`{meta['command']}`\n\n"
     )
     (args.out / "bench.md").write_text(header + table)
@@ -536,9 +436,9 @@ def main(argv=None) -> int:
         r = runs[b0].get(name)
         if r and r["status"] == "ok":
             speeds[name] = {k: r["tokens_per_s"] for k in args.k_values}
-    acceptance_plot(args.out / "bench.png", per_position, speeds, f"Speed vs K (batch {b0})", x_label="K")
+    png = acceptance_plot(args.out / "bench.png", per_position, speeds, f"Speed vs K (batch {b0})", x_label="K")
     print(header + table)
-    print(f"wrote {args.out / 'bench.json'}, {args.out / 'bench.md'}, {args.out / 'bench.png'}")
+    print(f"wrote {args.out / 'bench.json'}, {args.out / 'bench.md'}" + (f", {png}" if png else ""))
     ok = all(r.get("same_tokens_as_hf_dynamic", True) for res in runs.values() for r in res.values())
     if not ok:
         print("ERROR: some method's greedy output differs from hf_dynamic's (see bench.json)")

@@ -27,7 +27,7 @@ context + new tokens + K + 2, like HF's static cache (max_length), and run prefi
 graphs through the ``specfx`` backend).
 
 Round overhead = round time / (K x draft step + verify), each timed alone on the device
-(CUDA events, median): ``round`` is ``spec._round_fn()`` called on the finished state after a
+(CUDA events, median): ``round`` is ``spec.round_fn()()`` called on the finished state after a
 generate call; the parts are ``runner.forward`` of the same generator family compiled with the
 same ``specfx`` backend: verify = target over K+1 tokens, step = target over 1 token, draft =
 draft over 1 token, all B rows, at the end of the context. The oracle's parts are the verify
@@ -180,8 +180,7 @@ def stats_dict(stats, k: int) -> dict:
 
 def round_callable(spec):
     """The generator's compiled round for its (fixed) K."""
-    fns = getattr(spec, "_round_fns", None)  # one round graph per K since adaptive K
-    return fns[spec.k] if fns else spec._round_fn
+    return spec.round_fn()
 
 
 def make_spec(target, draft, args, ctx: int):
@@ -195,11 +194,9 @@ def make_spec(target, draft, args, ctx: int):
         prefill_buckets=(ctx,),
         min_capacity=-(-needed // 64) * 64,
         rounds_per_sync=args.rounds_per_sync,
+        # HF compiles only its decode step too; a prefill graph per context costs compile time
+        compile_prefill=args.compile_prefill,
     )
-    if not args.compile_prefill:
-        # HF compiles only its decode step too; one prefill graph per generator and context
-        # would cost as much compile time as the round.
-        spec._prefill_fn = functools.partial(type(spec)._prefill_impl, spec)
     return spec
 
 

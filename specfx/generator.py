@@ -16,8 +16,8 @@ from .auto_k import AutoK
 from .config import AUTO, SpecConfig
 from .drafters import resolve_drafter
 from .generate_args import GenerateRequest, resolve_generate_args
-from .passes.backend import GraphRecord, make_backend
 from .graph_utils import fresh_code
+from .passes.backend import GraphRecord, make_backend
 from .round import RoundState, prefill_step, round_step
 from .runner import ModelRunner
 from .stats import SpecStats

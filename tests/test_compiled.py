@@ -97,7 +97,7 @@ def test_cuda_warm_rounds_do_not_sync():
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(3):
-            spec._round_fn()
+            spec.round_fn()()
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()

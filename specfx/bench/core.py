@@ -37,7 +37,7 @@ specfx method with a draft model, after its timed runs, ``overhead = round / (K 
 verify)``, each part the median of ``--micro-iters`` individually timed calls, measured
 separately on the generator's own runners and static caches (at the batch's size):
 
-    round       ``spec._round_fn()`` launched directly after a generate call has finished (the
+    round       ``spec.round_fn()()`` launched directly after a generate call has finished (the
                 fixed-shape round does the same work for finished rows; only its writes are
                 masked): the round as launched, without the host loop
     draft step  one 1-token forward of the draft model
@@ -158,7 +158,7 @@ def round_overhead(spec, k: int, batch: dict, max_new_tokens: int, iters: int, c
     target = spec.target_runner
     with torch.no_grad():
         spec.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False)  # state as generate leaves it
-        out = {"round_ms": 1e3 * median_call_time(spec._round_fn, iters, sync)}
+        out = {"round_ms": 1e3 * median_call_time(spec.round_fn(), iters, sync)}
         ids = batch["input_ids"]
         rows, dev = ids.shape[0], ids.device
         start = ids.shape[1] + max_new_tokens + 1  # past every slot the generation used

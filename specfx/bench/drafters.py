@@ -181,9 +181,9 @@ def compile_every_k(specs) -> None:
     A round after a finished call is safe: it does the same work with its writes masked."""
     for spec in specs.values():
         if spec.auto_k is not None and spec.spec_config.compile:
-            for fn in spec._round_fns.values():
+            for k in spec.spec_config.k_values:
                 with torch.no_grad():  # as in generate(): grad mode is part of the graphs' guards
-                    fn()
+                    spec.round_fn(k)()
 
 
 # ----------------------------------------------------------------------------- report

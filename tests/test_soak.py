@@ -1,0 +1,105 @@
+"""Soak: one compiled generator serving a long mixed workload, as a chat server or a notebook
+session would use it (issue 16).
+
+One Inductor-compiled generator takes 60+ calls mixing batch sizes (1, 2, 3: buckets 1, 2, 4),
+prompt lengths (1..60, ragged within a batch), max_new_tokens (1..40) and every sampling
+setting. Checked: no call fails; greedy output equals HF's; sampled output equals an eager
+generator's with the same seed; after one pass over each class, replaying compiles nothing
+(``error_on_recompile``); the compiled graphs stay within the documented policy (one round
+graph per batch bucket at the current capacity, at most ``max_graphs``); resident memory is flat
+over the second half.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import specfx
+from specfx.models.tiny import perturbed_copy, tiny_causal_lm
+
+pytestmark = [pytest.mark.compiled, pytest.mark.usefixtures("one_thread")]
+
+MODES = {
+    "greedy": {},
+    "greedy_penalty": dict(repetition_penalty=1.3, min_new_tokens=3),
+    "sample": dict(do_sample=True, temperature=0.8),
+    "top_k": dict(do_sample=True, top_k=20),
+    "top_p": dict(do_sample=True, top_p=0.9, repetition_penalty=1.2),
+}
+BATCHES = (1, 2, 3)
+CLASSES = [(b, m) for b in BATCHES for m in MODES]
+REPLAYS = 48  # after the first pass: 15 + 48 = 63 calls
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+
+
+def _request(batch: int, rng: random.Random):
+    """A ragged left-padded batch: each row 1..60 real tokens."""
+    lengths = [rng.randint(1, 60) for _ in range(batch)]
+    width = max(lengths)
+    g = torch.Generator().manual_seed(rng.randint(0, 10**6))
+    ids = torch.randint(3, 128, (batch, width), generator=g)
+    mask = (torch.arange(width) >= (width - torch.tensor(lengths)).unsqueeze(1)).long()
+    return ids * mask, mask, rng.randint(1, 40)
+
+
+@pytest.fixture(scope="module")
+def soak():
+    target = tiny_causal_lm("llama")
+    draft = perturbed_copy(target, 0.03)
+    spec = specfx.speculate(target, draft=draft, num_speculative_tokens=3)
+    eager = specfx.speculate(target, draft=draft, num_speculative_tokens=3, compile=False)
+    return target, spec, eager
+
+
+def _check(call: int, target, spec, eager, batch: int, mode: str, rng: random.Random) -> None:
+    ids, mask, new = _request(batch, rng)
+    kwargs = dict(attention_mask=mask, max_new_tokens=new, pad_token_id=0, **MODES[mode])
+    torch.manual_seed(call)
+    out = spec.generate(ids, **kwargs)
+    if kwargs.get("do_sample"):
+        torch.manual_seed(call)
+        assert torch.equal(out, eager.generate(ids, **kwargs)), f"call {call}: compiled sampling != eager"
+    else:
+        assert torch.equal(out, target.generate(ids, **kwargs)), f"call {call}: greedy != HF"
+
+
+def test_long_lived_generator_serves_a_mixed_workload(soak):
+    target, spec, eager = soak
+    rng = random.Random(0)
+    # a long first request grows the buffers once (capacity 512), before any graph compiles
+    ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(5))
+    assert torch.equal(spec.generate(ids, max_new_tokens=120), target.generate(ids, max_new_tokens=120))
+    for call, (batch, mode) in enumerate(CLASSES):
+        _check(call, target, spec, eager, batch, mode, rng)
+    compiled = len(spec.compile_events)
+    # the policy: one round graph per batch bucket at the current capacity
+    assert {e.key for e in spec.compile_events} == {("round", b, 512, 3, False) for b in (1, 2, 4)}
+    assert len(spec._variants) <= spec.spec_config.max_graphs
+
+    rss = []
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for i in range(REPLAYS):
+            batch, mode = CLASSES[(7 * i) % len(CLASSES)]
+            _check(100 + i, target, spec, eager, batch, mode, rng)
+            rss.append(_rss_mb())
+    assert len(spec.compile_events) == compiled  # warm: nothing compiled
+    half = REPLAYS // 2
+    assert max(rss[half:]) - rss[half] < 32, f"resident memory grew over the second half: {rss[half]:.0f} -> {max(rss[half:]):.0f} MB"
+
+
+def test_lru_policy_evicts_beyond_max_graphs(one_thread):
+    """With max_graphs=2, a third batch bucket evicts the least recently used round graph."""
+    target = tiny_causal_lm("llama")
+    spec = specfx.speculate(target, draft="prompt_lookup", num_speculative_tokens=2, max_graphs=2, backend="specfx_eager")
+    for batch in (1, 2, 4, 1):
+        ids = torch.randint(3, 128, (batch, 5), generator=torch.Generator().manual_seed(batch))
+        assert torch.equal(spec.generate(ids, max_new_tokens=6), target.generate(ids, max_new_tokens=6))
+    assert list(spec._variants) == [("round", 4, 256, 2, False), ("round", 1, 256, 2, False)]
+    assert [e.key[1] for e in spec.compile_events] == [1, 2, 4, 1]  # batch 1 was evicted, then compiled again

@@ -1,0 +1,118 @@
+"""Count and time the cold compiles a long-lived compiled generator pays for a mixed workload.
+
+The call mix is the soak test's (tests/test_soak.py): one Inductor-compiled generator (tiny
+Llama target, perturbed-copy draft, K = 3), a first request that grows the buffers, then the 15
+classes (batch 1/2/3 x greedy, greedy + repetition penalty + min length, temperature, top-k,
+top-p + penalty) once each, then 48 replays of those classes with new prompts (1..60 tokens,
+ragged) and max_new_tokens (1..40). Each call that added a compiled graph counts as a compile;
+its cost is its wall time minus the median warm call's. A failing call is counted and the run
+goes on. Works on any specfx revision (it reads only ``spec.graphs`` and wall time), so the same
+command measures before and after a change::
+
+    python benchmarks/soak_compiles.py --json after.json
+    (cd OLD_CHECKOUT && python /path/to/benchmarks/soak_compiles.py --json before.json)
+
+Run it in a fresh process (it measures cold compiles; Inductor's on-disk FX graph cache makes a
+second run warmer, see ``--cache``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+MODES = {
+    "greedy": {},
+    "greedy_penalty": dict(repetition_penalty=1.3, min_new_tokens=3),
+    "sample": dict(do_sample=True, temperature=0.8),
+    "top_k": dict(do_sample=True, top_k=20),
+    "top_p": dict(do_sample=True, top_p=0.9, repetition_penalty=1.2),
+}
+CLASSES = [(b, m) for b in (1, 2, 3) for m in MODES]
+
+
+def _request(batch, rng):
+    lengths = [rng.randint(1, 60) for _ in range(batch)]
+    width = max(lengths)
+    ids = torch.randint(3, 128, (batch, width), generator=torch.Generator().manual_seed(rng.randint(0, 10**6)))
+    mask = (torch.arange(width) >= (width - torch.tensor(lengths)).unsqueeze(1)).long()
+    return ids * mask, mask, rng.randint(1, 40)
+
+
+def run(replays: int = 48) -> dict:
+    import specfx
+    from specfx.models.tiny import perturbed_copy, tiny_causal_lm
+
+    target = tiny_causal_lm("llama")
+    spec = specfx.speculate(target, draft=perturbed_copy(target, 0.03), num_speculative_tokens=3)
+    rng = random.Random(0)
+    calls = [((1, "greedy"), (torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(5)), None, 120))]
+    calls += [(c, _request(c[0], rng)) for c in CLASSES]
+    calls += [(CLASSES[(7 * i) % len(CLASSES)], _request(CLASSES[(7 * i) % len(CLASSES)][0], rng)) for i in range(replays)]
+    records = []
+    for i, ((batch, mode), (ids, mask, new)) in enumerate(calls):
+        before = len(spec.graphs)
+        torch.manual_seed(i)
+        start = time.monotonic()
+        error = None
+        try:
+            spec.generate(ids, attention_mask=mask, max_new_tokens=new, pad_token_id=0, **MODES[mode])
+        except Exception as e:  # counted, and the run goes on
+            error = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+        records.append(dict(call=i, batch=batch, mode=mode, seconds=time.monotonic() - start,
+                            compiled=len(spec.graphs) - before, error=error))
+        print(f"call {i:3d} batch {batch} {mode:15s} {records[-1]['seconds']:7.2f} s  +{records[-1]['compiled']} graph(s)"
+              + (f"  ERROR {error}" if error else ""), flush=True)
+    warm = statistics.median(r["seconds"] for r in records if not r["compiled"] and not r["error"])
+    compiling = [r for r in records if r["compiled"]]
+    first_pass = 1 + len(CLASSES)
+    return dict(
+        calls=len(records),
+        errors=sum(r["error"] is not None for r in records),
+        first_error=next((r for r in records if r["error"]), None),
+        compiles=sum(r["compiled"] for r in records),
+        compiles_after_first_pass=sum(r["compiled"] for r in records[first_pass:]),
+        compile_seconds=sum(r["seconds"] - warm for r in compiling),
+        max_compile_seconds=max((r["seconds"] - warm for r in compiling), default=0.0),
+        warm_call_seconds=warm,
+        threads=torch.get_num_threads(),
+        torch=torch.__version__,
+        records=records,
+    )
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", help="write the summary and every call's record here")
+    parser.add_argument("--replays", type=int, default=48)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--cache", choices=("fresh", "default"), default="fresh",
+                        help="fresh: an empty Inductor cache directory (cold compiles, the default); "
+                        "default: the user's cache (what a second process sees)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.cache == "fresh":
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="specfx_soak_")
+    sys.path.insert(0, os.getcwd())  # measure the checkout we run in
+    summary = run(args.replays)
+    keys = ("calls", "errors", "compiles", "compiles_after_first_pass", "compile_seconds", "max_compile_seconds", "warm_call_seconds")
+    print("\n| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
+    print("| " + " | ".join(f"{summary[k]:.2f}" if isinstance(summary[k], float) else str(summary[k]) for k in keys) + " |")
+    if summary["first_error"]:
+        print("first error:", summary["first_error"]["error"], "at call", summary["first_error"]["call"])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

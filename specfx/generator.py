@@ -291,9 +291,9 @@ class SpeculativeGenerator:
         sequences = torch.cat([req.input_ids, new.to(self.device)], dim=1)
         self._read_stats()
         if req.return_dict_in_generate:
-            from transformers.generation.utils import GenerateDecoderOnlyOutput
+            from .outputs import generate_output  # HF's output classes, imported only when asked for
 
-            return GenerateDecoderOnlyOutput(sequences=sequences)
+            return generate_output(self.model, self.target_runner.cache, req, sequences, torch.tensor(counts))
         return sequences
 
     def _read_stats(self) -> None:

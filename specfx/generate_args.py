@@ -158,6 +158,9 @@ def _check_numbers(values) -> dict:
 
 # --------------------------------------------------------------------------- resolution
 def resolve_generate_args(model, vocab_size: int, max_positions: int | None, inputs, kwargs: dict) -> GenerateRequest:
+    """generate()'s ``inputs``/``kwargs`` resolved in HF's order: the prompt's ids, then the
+    generation config (kwargs > ``generation_config`` > the model's), then the attention mask
+    (given, or inferred from the resolved pad and EOS ids as HF infers it), lengths and sampling."""
     kwargs = dict(kwargs)
     input_ids = kwargs.pop("input_ids", None)
     if inputs is not None and input_ids is not None:

@@ -295,7 +295,7 @@ class SpeculativeGenerator:
         self._ensure_state(rows, bucket + req.max_new_tokens + self.k + 2)
         self._load_request(req, batch)
         ids = torch.nn.functional.pad(req.input_ids, (bucket - seq_len, 0, 0, rows - batch))  # [rows, bucket]
-        collect = bool(getattr(req, "output_scores", False) or getattr(req, "output_logits", False))
+        collect = req.return_dict_in_generate and (req.output_scores or req.output_logits)
         steps = [] if collect else None  # per round: (scores, logits [B, T, V], n_emitted [B])
 
         start = time.monotonic()
@@ -406,9 +406,9 @@ class SpeculativeGenerator:
         sequences = torch.cat([req.input_ids, new.to(self.device)], dim=1)
         self._read_stats(batch)
         if req.return_dict_in_generate:
-            from transformers.generation.utils import GenerateDecoderOnlyOutput
+            from .outputs import generate_output  # HF's output classes, imported only when asked for
 
-            return GenerateDecoderOnlyOutput(sequences=sequences)
+            return generate_output(self.model, self.target_runner.cache, req, sequences, torch.tensor(counts), steps)
         return sequences
 
     def _read_stats(self, batch: int) -> None:

@@ -25,17 +25,104 @@ from torch import fx
 
 __all__ = ["remove_dead_code"]
 
-# Pure functions and methods found in LM heads and the views/casts that feed them.
+# Pure functions and methods found in LM heads, norms, rotary embeddings and the views/casts
+# that feed them: none draws random numbers or writes to an argument (other than through an
+# ``out=`` keyword, checked in _is_pure).
 _PURE_FUNCTIONS = {
-    torch._C._nn.linear, torch.nn.functional.linear, torch.matmul, torch.tanh,
-    torch.softmax, torch.log_softmax, torch.nn.functional.softmax, torch.nn.functional.log_softmax,
-    operator.getitem, operator.add, operator.sub, operator.mul, operator.truediv, operator.neg,
+    torch._C._nn.linear,
+    torch.nn.functional.linear,
+    torch.matmul,
+    torch.mm,
+    torch.bmm,
+    torch.addmm,
+    torch.tanh,
+    torch.rsqrt,
+    torch.exp,
+    torch.sin,
+    torch.cos,
+    torch.pow,
+    torch.mean,
+    torch.sum,
+    torch.softmax,
+    torch.log_softmax,
+    torch.nn.functional.softmax,
+    torch.nn.functional.log_softmax,
+    torch.arange,
+    torch.zeros,
+    torch.ones,
+    torch.full,
+    torch.cat,
+    torch.stack,
+    torch.where,
+    torch.nn.functional.scaled_dot_product_attention,
+    torch.nn.functional.gelu,
+    torch.nn.functional.layer_norm,
+    torch.layer_norm,
+    torch.nn.functional.rms_norm,
+    operator.getitem,
+    operator.add,
+    operator.sub,
+    operator.mul,
+    operator.truediv,
+    operator.floordiv,
+    operator.mod,
+    operator.pow,
+    operator.neg,
     operator.matmul,
+    operator.lt,
+    operator.le,
+    operator.gt,
+    operator.ge,
+    operator.eq,
+    operator.ne,
+}
+# Pure only when every listed flag is False: flag -> (its position, its default). Dropout in
+# eval mode (``training=False``) is the identity; in training it draws random numbers.
+_PURE_UNLESS_FLAGS = {
+    torch.nn.functional.silu: {"inplace": (1, False)},
+    torch.nn.functional.relu: {"inplace": (1, False)},
+    torch.nn.functional.dropout: {"training": (2, True), "inplace": (3, False)},
 }
 _PURE_METHODS = {
-    "float", "half", "bfloat16", "to", "contiguous", "view", "reshape", "transpose", "permute",
-    "unsqueeze", "squeeze", "expand", "size", "dim", "t", "flatten", "softmax", "log_softmax",
+    "float",
+    "half",
+    "bfloat16",
+    "to",
+    "type_as",
+    "contiguous",
+    "clone",
+    "view",
+    "reshape",
+    "transpose",
+    "permute",
+    "unsqueeze",
+    "squeeze",
+    "expand",
+    "t",
+    "flatten",
+    "split",
+    "chunk",
+    "size",
+    "dim",
+    "softmax",
+    "log_softmax",
+    "pow",
+    "mean",
+    "sum",
+    "rsqrt",
+    "exp",
+    "sin",
+    "cos",
+    "tanh",
+    "neg",
+    "masked_fill",
 }
+
+
+def _flag(node: fx.Node, name: str, position: int, default: bool):
+    if name in node.kwargs:
+        return node.kwargs[name]
+    return node.args[position] if len(node.args) > position else default
 
 
 def _is_pure(node: fx.Node) -> bool:
@@ -46,6 +133,8 @@ def _is_pure(node: fx.Node) -> bool:
     if isinstance(node.target, torch._ops.OpOverload):
         random = torch.Tag.nondeterministic_seeded in node.target.tags
         return not node.target._schema.is_mutable and not random and not node.is_impure()
+    if node.target in _PURE_UNLESS_FLAGS:
+        return all(_flag(node, name, *where) is False for name, where in _PURE_UNLESS_FLAGS[node.target].items())
     return node.target in _PURE_FUNCTIONS and "out" not in node.kwargs
 
 

@@ -3,7 +3,6 @@
 import pytest
 import torch
 from torch import fx
-
 from torch.fx.passes.shape_prop import ShapeProp
 
 from specfx.passes import (
@@ -183,3 +182,22 @@ def test_dead_code_keeps_side_effects_without_a_trailing_underscore(side_effect)
     before = len(gm.graph.nodes)
     remove_dead_code(gm)
     assert len(gm.graph.nodes) == before
+
+
+@pytest.mark.parametrize(
+    "dead",
+    [
+        pytest.param(lambda x: torch.nn.functional.dropout(x, 0.1, False), id="eval-dropout"),
+        pytest.param(lambda x: torch.nn.functional.silu(x), id="silu"),
+        pytest.param(lambda x: torch.nn.functional.relu(x, inplace=False), id="relu"),
+        pytest.param(lambda x: x.float().view(-1).softmax(-1), id="view-chain"),
+    ],
+)
+def test_dead_code_removes_unused_pure_ops(dead):
+    def f(x):
+        dead(x)
+        return x * 2
+
+    gm = fx.symbolic_trace(f)
+    assert remove_dead_code(gm) >= 1
+    assert [n.op for n in gm.graph.nodes] == ["placeholder", "call_function", "output"]

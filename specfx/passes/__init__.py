@@ -6,7 +6,7 @@ decoder layer N; applied by :class:`specfx.EarlyExit` to its own capture of the 
 
 from .backend import GraphRecord, make_backend, specfx_backend, specfx_eager_backend
 from .dead_code import remove_dead_code
-from .driver import PIPELINE, PassError, PassReport, run_passes
+from .driver import PIPELINE, REWRITES, ROUND_CHECKS, PassError, PassReport, run_passes
 from .early_exit import EarlyExitError, early_exit
 from .no_host_sync import HostSyncError, check_no_host_sync
 from .prune_logits import prune_logits
@@ -19,6 +19,8 @@ __all__ = [
     "HostSyncError",
     "PassError",
     "PassReport",
+    "REWRITES",
+    "ROUND_CHECKS",
     "StaticKVError",
     "check_no_host_sync",
     "check_static_kv",

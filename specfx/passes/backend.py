@@ -1,12 +1,18 @@
 """The ``specfx`` torch.compile backend: the pass pipeline, then Inductor.
 
 Registered under the ``torch_dynamo_backends`` entry point, so
-``torch.compile(fn, backend="specfx")`` works without importing specfx first. For each graph
-Dynamo captures it runs :func:`specfx.passes.run_passes` (host-sync check, static-KV check,
-logit pruning, dead-code removal; lint after each) and hands the result to Inductor. When the
-graph's inputs live on a CUDA device Inductor also captures it as a CUDA graph
-(``triton.cudagraphs``), patched for that compile only. ``specfx_eager`` runs the same passes
-and then executes the rewritten graph without Inductor (for debugging and fast tests).
+``torch.compile(fn, backend="specfx")`` works without importing specfx first. The registered
+backends compile *any* function: they run only :data:`specfx.passes.REWRITES` (logit pruning,
+dead-code removal; each reads node shapes and skips what it cannot prove, lint after each),
+then plain Inductor. ``specfx_eager`` runs the same passes and executes the rewritten graph
+without Inductor (for debugging and fast tests).
+
+specfx's own graphs (rounds, prefills, captured forwards) come through
+``make_backend(name, records)``, whose ``round_graphs=True`` default also runs the round
+checks (no host sync, static KV: a graph that breaks them raises :class:`PassError`) and, when
+the inputs live on a CUDA device, has Inductor capture a CUDA graph (``triton.cudagraphs``,
+patched for that compile only). Neither is right for user code: ``x.cpu() + 1`` is a valid
+function, and a CUDA graph reuses its output memory on the next call.
 """
 
 from __future__ import annotations
@@ -46,17 +52,21 @@ def _op_name(node: fx.Node) -> str:
     return getattr(node.target, "__name__", str(node.target))
 
 
-def make_backend(inner: str = "specfx", records: list | None = None):
+def make_backend(inner: str = "specfx", records: list | None = None, *, round_graphs: bool = True):
     """A backend that records each graph in ``records``. ``inner`` is "specfx" (Inductor
     after the passes) or "specfx_eager" (run the rewritten graph as is); any other name is
-    looked up as an ordinary Dynamo backend and used without the passes."""
+    looked up as an ordinary Dynamo backend and used without the passes.
+
+    ``round_graphs`` says the graphs are specfx's own (rounds, prefills, captured forwards):
+    the round invariants are checked and, on CUDA, Inductor captures a CUDA graph. Pass False
+    for arbitrary user code, as the registered ``specfx``/``specfx_eager`` backends do."""
     if inner not in ("specfx", "specfx_eager"):
         from torch._dynamo.backends.registry import lookup_backend
 
         return lookup_backend(inner)
 
     def backend(gm: fx.GraphModule, example_inputs):
-        report = run_passes(gm)
+        report = run_passes(gm, round_checks=round_graphs)
         ops = Counter(_op_name(n) for n in gm.graph.nodes if n.op in ("call_function", "call_method"))
         if records is not None:
             compiler = "inductor" if inner == "specfx" else "eager"
@@ -65,12 +75,13 @@ def make_backend(inner: str = "specfx", records: list | None = None):
             return gm.forward
         from torch._inductor.compile_fx import compile_fx
 
-        cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
+        cuda = round_graphs and any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
         return compile_fx(gm, example_inputs, config_patches={"triton.cudagraphs": True} if cuda else {})
 
     backend.__name__ = inner
     return backend
 
 
-specfx_backend = make_backend("specfx")
-specfx_eager_backend = make_backend("specfx_eager")
+# The registered backends: any user function, so rewrites only (see the module docstring).
+specfx_backend = make_backend("specfx", round_graphs=False)
+specfx_eager_backend = make_backend("specfx_eager", round_graphs=False)

@@ -1,4 +1,14 @@
-"""The pass pipeline: one explicit, ordered list, with lint and invariant checks after each pass."""
+"""The pass pipeline: one explicit, ordered list, with a lint (and, for specfx's own graphs,
+the round-invariant check) after each pass.
+
+Two kinds of passes, kept apart because a user's graph is not a round:
+
+- :data:`ROUND_CHECKS` verify the invariants of a round (no host sync, static KV). They raise
+  on graphs that break them, which is right for specfx's own round/prefill graphs and wrong
+  for arbitrary user code (``x.cpu() + 1`` is a fine function, not a broken round).
+- :data:`REWRITES` are semantics-preserving on any graph: they read node shapes before they
+  rewrite and skip what they cannot prove.
+"""
 
 from __future__ import annotations
 
@@ -13,20 +23,16 @@ from .no_host_sync import check_no_host_sync
 from .prune_logits import prune_logits
 from .static_kv import check_static_kv
 
-__all__ = ["PIPELINE", "PassError", "PassReport", "run_passes"]
+__all__ = ["PIPELINE", "REWRITES", "ROUND_CHECKS", "PassError", "PassReport", "run_passes"]
 
 logger = logging.getLogger(__name__)
 
 Pass = Callable[[fx.GraphModule], int]
 
-# Order matters: verify what was captured, then rewrite, then clean up. The invariant
-# check (no host sync) runs again after every pass.
-PIPELINE: tuple[Pass, ...] = (
-    check_no_host_sync,
-    check_static_kv,
-    prune_logits,
-    remove_dead_code,
-)
+ROUND_CHECKS: tuple[Pass, ...] = (check_no_host_sync, check_static_kv)
+REWRITES: tuple[Pass, ...] = (prune_logits, remove_dead_code)
+# Order matters: verify what was captured, then rewrite, then clean up.
+PIPELINE: tuple[Pass, ...] = ROUND_CHECKS + REWRITES
 
 
 class PassError(RuntimeError):
@@ -45,14 +51,20 @@ class PassReport:
         return ", ".join(f"{name}={n}" for name, n in self.sites)
 
 
-def run_passes(gm: fx.GraphModule, passes: Sequence[Pass] = PIPELINE) -> PassReport:
+def run_passes(gm: fx.GraphModule, passes: Sequence[Pass] | None = None, *, round_checks: bool = True) -> PassReport:
+    """Run ``passes`` in order (default: :data:`PIPELINE` with ``round_checks``, else
+    :data:`REWRITES`), linting the graph after each and, with ``round_checks``, re-checking that
+    no pass introduced a host sync. Raises :class:`PassError` naming the failing pass."""
+    if passes is None:
+        passes = PIPELINE if round_checks else REWRITES
     report = PassReport(nodes_before=len(gm.graph.nodes))
     for p in passes:
         name = p.__name__
         try:
             n = p(gm)
             gm.graph.lint()
-            check_no_host_sync(gm)
+            if round_checks:
+                check_no_host_sync(gm)
         except Exception as e:
             before = [s for s, _ in report.sites] or ["(none)"]
             raise PassError(f"specfx pass {name!r} failed after passes {before}: {e}") from e

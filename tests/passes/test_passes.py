@@ -3,8 +3,18 @@
 import pytest
 import torch
 from torch import fx
+from torch.fx.passes.shape_prop import ShapeProp
 
-from specfx.passes import HostSyncError, PassError, make_backend, prune_logits, run_passes
+from specfx.passes import (
+    REWRITES,
+    HostSyncError,
+    PassError,
+    make_backend,
+    prune_logits,
+    remove_dead_code,
+    run_passes,
+    specfx_eager_backend,
+)
 from specfx.passes.no_host_sync import check_no_host_sync
 
 
@@ -67,3 +77,127 @@ def test_driver_names_failing_pass_and_predecessors():
 
     with pytest.raises(PassError, match=r"'broken' failed after passes \['check_no_host_sync'\]: boom"):
         run_passes(gm, passes=(check_no_host_sync, broken))
+
+
+def shaped(fn, *args) -> fx.GraphModule:
+    """``fn`` traced with the shapes of ``args`` in node meta, as a rewriting pass needs them."""
+    gm = fx.symbolic_trace(fn)
+    ShapeProp(gm).propagate(*args)
+    return gm
+
+
+def test_round_checks_still_raise_for_specfx_own_graphs():
+    """make_backend(name, records), as the generator calls it, keeps the round invariants."""
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
+        capture(lambda x: x.cpu() + 1, torch.ones(2))
+    cause = info.value.inner_exception
+    assert isinstance(cause, PassError) and isinstance(cause.__cause__, HostSyncError)
+    assert "check_no_host_sync" in str(cause) and ".cpu()" in str(cause)
+
+
+def test_round_checks_off_runs_only_rewrites_and_never_raises_on_host_sync():
+    gm = fx.symbolic_trace(lambda x: x.cpu() + 1)
+    report = run_passes(gm, round_checks=False)
+    assert [name for name, _ in report.sites] == [p.__name__ for p in REWRITES]
+    assert torch.equal(gm(torch.ones(2)), torch.full((2,), 2.0))
+
+
+def test_round_checks_on_reject_host_sync_introduced_by_a_pass():
+    def adds_item(gm):
+        x = next(iter(gm.graph.nodes))
+        with gm.graph.inserting_after(x):
+            gm.graph.call_method("item", (x,))
+        return 1
+
+    gm = fx.symbolic_trace(lambda x: x + 1)
+    with pytest.raises(PassError, match="'adds_item'.*item"):
+        run_passes(gm, passes=(adds_item,))
+    gm = fx.symbolic_trace(lambda x: x + 1)
+    assert run_passes(gm, passes=(adds_item,), round_checks=False).sites == [("adds_item", 1)]
+
+
+def test_registered_backends_compile_host_syncing_code():
+    """Inductor ("specfx") on the same functions: tests/passes/test_backend_corpus.py."""
+    out = torch.compile(lambda x: x.cpu() + 1, backend=specfx_eager_backend, fullgraph=True)(torch.ones(2))
+    assert torch.equal(out, torch.full((2,), 2.0))
+
+
+def test_prune_logits_skips_feature_selection_on_2d_linear():
+    w = torch.randn(8, 4)
+    gm = shaped(lambda x: torch.nn.functional.linear(x, w)[:, :2], torch.randn(3, 4))
+    assert prune_logits(gm) == 0
+
+
+def test_prune_logits_skips_without_shape_meta():
+    w = torch.randn(8, 4)
+    gm = fx.symbolic_trace(lambda h: torch.nn.functional.linear(h, w)[:, -1])
+    assert prune_logits(gm) == 0
+
+
+def test_prune_logits_prunes_3d_with_shape_meta_and_records_new_shapes():
+    w = torch.randn(8, 4)
+    h = torch.randn(2, 5, 4)
+    gm = shaped(lambda h: (torch.nn.functional.linear(h, w) * 2.0)[:, -1, :], h)
+    assert prune_logits(gm) == 1
+    gm.recompile()
+    assert torch.allclose(gm(h), (torch.nn.functional.linear(h, w) * 2.0)[:, -1, :])
+
+
+@pytest.mark.parametrize(
+    "chain",
+    [
+        pytest.param(lambda y, b: y + b, id="tensor-operand"),  # b [5, 8] broadcasts per position
+        pytest.param(lambda y, b: torch.softmax(y, dim=1), id="softmax-over-positions"),
+        pytest.param(lambda y, b: y.sum(-1, keepdim=True), id="reduction"),
+    ],
+)
+def test_prune_logits_skips_ops_that_are_not_positionwise(chain):
+    w, b = torch.randn(8, 4), torch.randn(5, 8)
+    h = torch.randn(2, 5, 4)
+
+    def f(h, b):
+        return chain(torch.nn.functional.linear(h, w), b)[:, -1]
+
+    gm = shaped(f, h, b)
+    assert prune_logits(gm) == 0
+
+
+@pytest.mark.parametrize(
+    "side_effect",
+    [
+        pytest.param(lambda x, s: torch.nn.functional.dropout(x, 0.5, True), id="dropout"),
+        pytest.param(lambda x, s: torch.rand(3), id="rand"),
+        pytest.param(lambda x, s: torch.nn.functional.batch_norm(x, s, s.clone(), training=True), id="batch_norm"),
+        pytest.param(lambda x, s: torch.nn.functional.relu(s, True), id="relu-inplace-positional"),
+        pytest.param(lambda x, s: torch.add(x[0], 1, out=s), id="out-kwarg"),
+        pytest.param(lambda x, s: s.__setitem__(0, 5.0), id="setitem"),
+    ],
+)
+def test_dead_code_keeps_side_effects_without_a_trailing_underscore(side_effect):
+    def f(x, s):
+        side_effect(x, s)
+        return x * 2
+
+    gm = fx.symbolic_trace(f)
+    before = len(gm.graph.nodes)
+    remove_dead_code(gm)
+    assert len(gm.graph.nodes) == before
+
+
+@pytest.mark.parametrize(
+    "dead",
+    [
+        pytest.param(lambda x: torch.nn.functional.dropout(x, 0.1, False), id="eval-dropout"),
+        pytest.param(lambda x: torch.nn.functional.silu(x), id="silu"),
+        pytest.param(lambda x: torch.nn.functional.relu(x, inplace=False), id="relu"),
+        pytest.param(lambda x: x.float().view(-1).softmax(-1), id="view-chain"),
+    ],
+)
+def test_dead_code_removes_unused_pure_ops(dead):
+    def f(x):
+        dead(x)
+        return x * 2
+
+    gm = fx.symbolic_trace(f)
+    assert remove_dead_code(gm) >= 1
+    assert [n.op for n in gm.graph.nodes] == ["placeholder", "call_function", "output"]

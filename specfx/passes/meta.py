@@ -1,0 +1,59 @@
+"""What a pass may know about a node: the example value Dynamo (``example_value``) or
+make_fx/export (``val``) recorded, or the shape ``ShapeProp`` recorded (``tensor_meta``).
+
+Rewriting passes read shapes from here before they rewrite, and skip a node whose meta is
+missing (a graph built by hand, or a node another pass inserted without meta): never guess.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+__all__ = ["META_KEYS", "infer_meta", "tensor_rank"]
+
+META_KEYS = ("example_value", "val")
+
+
+def _value(node: fx.Node):
+    for key in META_KEYS:
+        if key in node.meta:
+            return node.meta[key]
+    return None
+
+
+def tensor_rank(node) -> int | None:
+    """The number of dims of the tensor ``node`` produces, or None when that is not known
+    (no meta, not a node, not a tensor)."""
+    if not isinstance(node, fx.Node):
+        return None
+    val = _value(node)
+    if isinstance(val, torch.Tensor):
+        return val.dim()
+    tm = node.meta.get("tensor_meta")
+    shape = getattr(tm, "shape", None)
+    return len(shape) if shape is not None else None
+
+
+def infer_meta(node: fx.Node, like: fx.Node) -> None:
+    """Give ``node`` (inserted by a pass) the meta of ``like`` (stack trace, module stack)
+    and its own example value, computed from its inputs' fake values, so that later passes
+    can read its shape too. Left without a value when the inputs' values are not all known."""
+    node.meta.update({k: v for k, v in like.meta.items() if k not in (*META_KEYS, "tensor_meta")})
+    key = next((k for k in META_KEYS if k in like.meta), None)
+    inputs = node.all_input_nodes
+    if key is None or not all(isinstance(n.meta.get(key), torch.Tensor) for n in inputs):
+        return
+    args = fx.node.map_arg(node.args, lambda n: n.meta[key])
+    kwargs = fx.node.map_arg(node.kwargs, lambda n: n.meta[key])
+    # The inputs' own mode, not the ambient one: a backend may run under a fresh fake mode.
+    modes = {id(getattr(n.meta[key], "fake_mode", None)): getattr(n.meta[key], "fake_mode", None) for n in inputs}
+    fake_mode = next(iter(modes.values())) if len(modes) == 1 else None
+    if fake_mode is None:
+        return  # real tensors (running the op for real) or mixed modes: leave it unknown
+    with fake_mode:
+        if node.op == "call_method":
+            val = getattr(args[0], node.target)(*args[1:], **kwargs)
+        else:
+            val = node.target(*args, **kwargs)
+    node.meta[key] = val

@@ -13,7 +13,7 @@ command measures before and after a change::
     (cd OLD_CHECKOUT && python /path/to/benchmarks/soak_compiles.py --json before.json)
 
 Run it in a fresh process (it measures cold compiles; Inductor's on-disk FX graph cache makes a
-second run warmer, see ``--cache``).
+second process warm, see ``--cache-dir``).
 """
 
 from __future__ import annotations
@@ -94,13 +94,11 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write the summary and every call's record here")
     parser.add_argument("--replays", type=int, default=48)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    parser.add_argument("--cache", choices=("fresh", "default"), default="fresh",
-                        help="fresh: an empty Inductor cache directory (cold compiles, the default); "
-                        "default: the user's cache (what a second process sees)")
+    parser.add_argument("--cache-dir", help="Inductor cache directory (default: a new empty one, so every "
+                        "compile is cold); run twice with the same directory to measure a second, warm process")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    if args.cache == "fresh":
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="specfx_soak_")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = args.cache_dir or tempfile.mkdtemp(prefix="specfx_soak_")
     sys.path.insert(0, os.getcwd())  # measure the checkout we run in
     summary = run(args.replays)
     keys = ("calls", "errors", "compiles", "compiles_after_first_pass", "compile_seconds", "max_compile_seconds", "warm_call_seconds")

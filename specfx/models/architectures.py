@@ -20,7 +20,8 @@ Statuses:
     refused     ``speculate()`` raises a ValueError naming the reason (recurrent or
                 linear-attention state, no KV cache, or the incremental-decoding probe: the
                 model's logits through specfx's cache, mask and positions differ from its
-                full forward, e.g. bidirectional heads or positions taken from the cache length).
+                full forward, e.g. bidirectional heads, positions taken from the cache length,
+                windows cut from the buffer length; see :mod:`specfx.probe`).
     unsupported known not to work yet; ``reason`` says why, and ``speculate()`` raises it (a
                 declared refusal, for failures no generic check catches).
 """
@@ -119,13 +120,18 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         name: _r("derives positions from the cache length, not position_ids (caught by the incremental-decoding probe)")
         for name in ("mvp", "trocr", "roformer", "bart", "mbart", "marian", "pegasus", "bigbird_pegasus")
     },
+    "gpt_neo": _r(
+        "local-attention window cut from the cache's key length (the buffer capacity), not from "
+        "position_ids (caught by the incremental-decoding probe at the generator's capacity)"
+    ),
+    "moshi": _r(
+        "its forward ignores config.sliding_window (full causal mask) while its generate() cache "
+        "windows to it, so no incremental path matches both (caught by the incremental-decoding probe)"
+    ),
     "openai-gpt": _r("no KV cache (forward has no past_key_values)"),
     "xlnet": _r("no KV cache (forward has no past_key_values)"),
     # --- not yet
     "blenderbot-small": _u("its generation config forces EOS (forced_eos_token_id), which specfx does not implement"),
-    "moshi": _u(
-        "passes the incremental-decoding probe but greedy output differs from its generate(); not investigated"
-    ),
     "gemma3n_text": _u("layers share KV across layers (KV-sharing layers write no cache)"),
 }
 

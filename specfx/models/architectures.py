@@ -47,8 +47,8 @@ def _s(features: str = "", **overrides) -> ArchSpec:
     return ArchSpec("supported", features, overrides=overrides)
 
 
-def _r(reason: str) -> ArchSpec:
-    return ArchSpec("refused", reason=reason)
+def _r(reason: str, **overrides) -> ArchSpec:
+    return ArchSpec("refused", reason=reason, overrides=overrides)
 
 
 def _u(reason: str) -> ArchSpec:
@@ -122,7 +122,9 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     },
     "gpt_neo": _r(
         "local-attention window cut from the cache's key length (the buffer capacity), not from "
-        "position_ids (caught by the incremental-decoding probe at the generator's capacity)"
+        "position_ids (caught by the incremental-decoding probe at the generator's capacity)",
+        attention_types=[[["global", "local"], 1]],  # one entry per layer of the tiny config
+        max_position_embeddings=1024,  # room for a probe past its window of 256
     ),
     "moshi": _r(
         "its forward ignores config.sliding_window (full causal mask) while its generate() cache "

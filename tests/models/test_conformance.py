@@ -173,7 +173,7 @@ def test_refused_with_a_reason(arch):
         ("bert", dict(is_decoder=False)),
         ("mvp", {}),
         ("roformer", {}),
-        ("gpt_neo", dict(attention_types=[[["global", "local"], 1]], max_position_embeddings=1024)),
+        ("gpt_neo", ARCHITECTURES["gpt_neo"].overrides),
         ("moshi", {}),
     ],
 )

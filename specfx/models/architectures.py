@@ -81,7 +81,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
             "afmoe apertus arcee aria_text beam biogpt bitnet codegen cohere cohere2 cohere2_moe ctrl cwm "
             "diffllama doge ernie4_5 exaone4 exaone_moe flex_olmo flint gemma3_text gemma4_unified_text glm "
             "glm4 glm4_moe gpt-sw3 gpt_bigcode gpt_neox_japanese gpt_oss gptj granite granite_swa granitemoe "
-            "granitemoe_swa granitemoeshared helium hrm_text hunyuan_v1_dense hunyuan_v1_moe hy_v3 hyperclovax "
+            "granitemoe_swa granitemoeshared helium hunyuan_v1_dense hunyuan_v1_moe hy_v3 hyperclovax "
             "internlm3 iquestcoder jais2 jetmoe kolibri1 laguna lfm2 llama4_text mellum mimo_v2_flash "
             "minimax_m2 minimax_m3_vl_text ministral ministral3 modernbert-decoder nanochat nemotron olmo "
             "olmo2 olmo3 olmoe persimmon phi phimoe qwen3_moe seed_oss smollm3 solar_open starcoder2 "
@@ -125,6 +125,11 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         "position_ids (caught by the incremental-decoding probe at the generator's capacity)",
         attention_types=[[["global", "local"], 1]],  # one entry per layer of the tiny config
         max_position_embeddings=1024,  # room for a probe past its window of 256
+    ),
+    "hrm_text": _r(
+        "its logits at a position depend on the tokens after it in the same forward (its full "
+        "forward on a prefix differs from the prefix of its full forward, by ~1% of the logits' scale), "
+        "so no incremental decoding reproduces it (caught by the incremental-decoding probe)"
     ),
     "moshi": _r(
         "its forward ignores config.sliding_window (full causal mask) while its generate() cache "

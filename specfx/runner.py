@@ -10,6 +10,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from .cache import SlotCache
 from .masks import check_attn_implementation, mask_plan
+from .probe import compare, full_logits, incremental_logits, probe_capacity, probe_length, probe_tokens
 
 __all__ = ["ModelRunner", "check_causal_lm"]
 
@@ -74,56 +75,68 @@ class ModelRunner:
         # "mask_4d": explicit 4-D masks (every conforming model); "rowwise_2d": the fallback
         # chosen by the probe when the 4-D protocol fails (see _forward_rowwise).
         self.protocol = "mask_4d"
-        self._check_incremental()
+        self.probe_length = probe_length(config, self.mask_plan, self.max_positions)
+        self.probed_capacity = 0  # the largest buffer capacity the probe vouched for (0: none yet)
+        self._check_incremental(probe_capacity(self.probe_length))
 
-    def _check_incremental(self) -> None:
+    def _check_incremental(self, capacity: int) -> None:
         """Refuse a model whose incremental decoding through specfx's hooks differs from its
-        own full forward: one that attends to later tokens (BERT-style heads without
-        ``is_decoder=True``), derives positions from the cache length instead of
-        ``position_ids``, or otherwise ignores the cache, mask or positions it is given.
-        Two tiny forwards (6 tokens, then 3 + 3 through a small :class:`SlotCache`); skipped
-        in training mode, where dropout would blur the comparison."""
+        own full forward (see :mod:`specfx.probe`): one that attends to later tokens (BERT-style
+        heads without ``is_decoder=True``), derives positions from the cache length instead of
+        ``position_ids``, builds attention windows from the cache's length, or otherwise ignores
+        the cache, mask or positions it is given. One full forward and one incremental pass at
+        ``capacity`` slots; skipped in training mode, where dropout would blur the comparison
+        (the first :meth:`allocate` in eval mode probes then)."""
         model = self.model
         if model.training:
             return
-        ids = (torch.arange(6, device=self.device) * 7 + 3).remainder(self.vocab_size).unsqueeze(0)
-        pos = torch.arange(6, device=self.device).unsqueeze(0)
-        kwargs = {"position_ids": pos} if "position_ids" in inspect.signature(model.forward).parameters else {}
+        capacity = max(capacity, probe_capacity(self.probe_length))
+        seq = probe_tokens(self.probe_length, self.vocab_size, self.device)
         with torch.no_grad():
-            full = model(input_ids=ids, use_cache=False, **kwargs).logits.float()
-        failure = self._probe(ids, pos, full)
-        if failure is not None and self.mask_plan.single == ("full", None):
+            full = full_logits(model, seq)
+        failure = self._probe(seq, full, capacity)
+        if failure is not None and self.probed_capacity == 0 and self.mask_plan.single == ("full", None):
             self.protocol = "rowwise_2d"  # e.g. ALiBi from a 2-D mask (Bloom)
-            if self._probe(ids, pos, full) is None:
-                return
-            self.protocol = "mask_4d"
-        if isinstance(failure, Exception):
-            raise ValueError(
-                f"{self.role} ({type(model).__name__}) failed when driven through a KV cache with an "
-                f"explicit 4-D mask and position_ids ({type(failure).__name__}: {failure}); specfx cannot "
-                f"speculate it."
-            ) from failure
-        if failure is not None:
-            raise ValueError(
-                f"{self.role} ({type(model).__name__}) does not decode incrementally like its full "
-                f"forward: it attends to later tokens (BERT-style heads need is_decoder=True), or "
-                f"derives positions from the cache length rather than position_ids. specfx cannot "
-                f"speculate it."
-            )
+            if self._probe(seq, full, capacity) is None:
+                failure = None
+            else:
+                self.protocol = "mask_4d"
+        if failure is None:
+            self.probed_capacity = capacity
+            return
+        cause = failure if isinstance(failure, Exception) else None
+        raise ValueError(self._refusal(failure, capacity)) from cause
 
-    def _probe(self, ids, pos, full):
-        """None if 3 + 3 tokens through the current protocol give ``full``'s logits; else the
-        exception raised or True (mismatch)."""
+    def _refusal(self, failure, capacity: int) -> str:
+        who = f"{self.role} ({type(self.model).__name__})"
+        when = f"when its KV buffers grew to {capacity} slots" if self.probed_capacity else f"at {capacity} slots"
+        if isinstance(failure, Exception):
+            return (
+                f"{who} failed when driven through a KV cache with an explicit 4-D mask and position_ids "
+                f"{when} ({type(failure).__name__}: {failure}); specfx cannot speculate it."
+            )
+        return (
+            f"{who} does not decode incrementally like its full forward {when} ({failure}). It attends "
+            f"to later tokens (BERT-style heads need is_decoder=True), derives positions from the cache "
+            f"length rather than position_ids, or builds its attention window from the cache's length "
+            f"(GPT-Neo's local attention). specfx cannot run it exactly, so it refuses it rather than "
+            f"generate different tokens."
+        )
+
+    def _probe(self, seq: torch.Tensor, full: torch.Tensor, capacity: int):
+        """None if specfx's incremental path at ``capacity`` slots reproduces ``full`` (the
+        model's logits ``[L, V]`` for ``seq [L]``); else the exception raised or what differs.
+        The runner's own buffers are left as they were."""
+        saved = self.cache
         try:
             with torch.no_grad():
-                self.allocate(1, 16)
-                first = self.forward(ids[:, :3], pos[:, :3], pos[:, :3])
-                steps = torch.cat([first, self.forward(ids[:, 3:], pos[:, 3:], pos[:, 3:])], dim=1).float()
+                self._allocate_buffers(2, capacity)
+                got = incremental_logits(self, seq)
         except Exception as e:  # reported by the caller, which names the model
             return e
         finally:
-            self.cache = None
-        return True if (steps - full).abs().max() > 0.1 * full.std() + 1e-4 else None
+            self.cache = saved
+        return compare(got, full, self.dtype)
 
     @property
     def device(self) -> torch.device:
@@ -136,7 +149,15 @@ class ModelRunner:
     def allocate(self, batch_size: int, capacity: int) -> None:
         """New static buffers, allocated now by one eager probe forward (which learns each
         layer's KV shapes from the model itself and writes only the trash slot), so that no
-        compiled graph ever allocates or rebinds them."""
+        compiled graph ever allocates or rebinds them.
+
+        A capacity beyond every one probed so far is probed first, since a model may depend on
+        its buffers' length (GPT-Neo's local attention does): ValueError if it fails there."""
+        if capacity > self.probed_capacity:
+            self._check_incremental(capacity)
+        self._allocate_buffers(batch_size, capacity)
+
+    def _allocate_buffers(self, batch_size: int, capacity: int) -> None:
         self.cache = SlotCache(self.num_layers, batch_size, capacity, self.device)
         zeros = torch.zeros((batch_size, 1), dtype=torch.long, device=self.device)
         with torch.no_grad():

@@ -20,7 +20,8 @@ Statuses:
     refused     ``speculate()`` raises a ValueError naming the reason (recurrent or
                 linear-attention state, no KV cache, or the incremental-decoding probe: the
                 model's logits through specfx's cache, mask and positions differ from its
-                full forward, e.g. bidirectional heads or positions taken from the cache length).
+                full forward, e.g. bidirectional heads, positions taken from the cache length,
+                windows cut from the buffer length; see :mod:`specfx.probe`).
     unsupported known not to work yet; ``reason`` says why, and ``speculate()`` raises it (a
                 declared refusal, for failures no generic check catches).
 """
@@ -46,8 +47,8 @@ def _s(features: str = "", **overrides) -> ArchSpec:
     return ArchSpec("supported", features, overrides=overrides)
 
 
-def _r(reason: str) -> ArchSpec:
-    return ArchSpec("refused", reason=reason)
+def _r(reason: str, **overrides) -> ArchSpec:
+    return ArchSpec("refused", reason=reason, overrides=overrides)
 
 
 def _u(reason: str) -> ArchSpec:
@@ -80,7 +81,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
             "afmoe apertus arcee aria_text beam biogpt bitnet codegen cohere cohere2 cohere2_moe ctrl cwm "
             "diffllama doge ernie4_5 exaone4 exaone_moe flex_olmo flint gemma3_text gemma4_unified_text glm "
             "glm4 glm4_moe gpt-sw3 gpt_bigcode gpt_neox_japanese gpt_oss gptj granite granite_swa granitemoe "
-            "granitemoe_swa granitemoeshared helium hrm_text hunyuan_v1_dense hunyuan_v1_moe hy_v3 hyperclovax "
+            "granitemoe_swa granitemoeshared helium hunyuan_v1_dense hunyuan_v1_moe hy_v3 hyperclovax "
             "internlm3 iquestcoder jais2 jetmoe kolibri1 laguna lfm2 llama4_text mellum mimo_v2_flash "
             "minimax_m2 minimax_m3_vl_text ministral ministral3 modernbert-decoder nanochat nemotron olmo "
             "olmo2 olmo3 olmoe persimmon phi phimoe qwen3_moe seed_oss smollm3 solar_open starcoder2 "
@@ -119,13 +120,25 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         name: _r("derives positions from the cache length, not position_ids (caught by the incremental-decoding probe)")
         for name in ("mvp", "trocr", "roformer", "bart", "mbart", "marian", "pegasus", "bigbird_pegasus")
     },
+    "gpt_neo": _r(
+        "local-attention window cut from the cache's key length (the buffer capacity), not from "
+        "position_ids (caught by the incremental-decoding probe at the generator's capacity)",
+        attention_types=[[["global", "local"], 1]],  # one entry per layer of the tiny config
+        max_position_embeddings=1024,  # room for a probe past its window of 256
+    ),
+    "hrm_text": _r(
+        "its logits at a position depend on the tokens after it in the same forward (its full "
+        "forward on a prefix differs from the prefix of its full forward, by ~1% of the logits' scale), "
+        "so no incremental decoding reproduces it (caught by the incremental-decoding probe)"
+    ),
+    "moshi": _r(
+        "its forward ignores config.sliding_window (full causal mask) while its generate() cache "
+        "windows to it, so no incremental path matches both (caught by the incremental-decoding probe)"
+    ),
     "openai-gpt": _r("no KV cache (forward has no past_key_values)"),
     "xlnet": _r("no KV cache (forward has no past_key_values)"),
     # --- not yet
     "blenderbot-small": _u("its generation config forces EOS (forced_eos_token_id), which specfx does not implement"),
-    "moshi": _u(
-        "passes the incremental-decoding probe but greedy output differs from its generate(); not investigated"
-    ),
     "gemma3n_text": _u("layers share KV across layers (KV-sharing layers write no cache)"),
 }
 

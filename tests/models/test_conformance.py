@@ -167,10 +167,22 @@ def test_refused_with_a_reason(arch):
         specfx.speculate(model, draft=model, compile=False)
 
 
-@pytest.mark.parametrize("arch, overrides", [("bert", dict(is_decoder=False)), ("mvp", {}), ("roformer", {})])
+@pytest.mark.parametrize(
+    "arch, overrides",
+    [
+        ("bert", dict(is_decoder=False)),
+        ("mvp", {}),
+        ("roformer", {}),
+        ("gpt_neo", ARCHITECTURES["gpt_neo"].overrides),
+        ("moshi", {}),
+        ("hrm_text", {}),
+    ],
+)
 def test_incremental_probe_refuses(arch, overrides):
-    """Bidirectional heads and models that take positions from the cache length decode
-    differently through specfx's hooks than their own full forward: refused up front."""
+    """Bidirectional heads, models that take positions from the cache length, GPT-Neo (window
+    cut from the buffer length), Moshi (forward and cache disagree on the window) and HRM (a
+    position's logits depend on later tokens) decode differently through specfx's hooks than
+    their own full forward: refused up front."""
     model = tiny_causal_lm(arch, **overrides)
     with pytest.raises(ValueError, match=r"does not decode incrementally.*is_decoder=True.*position_ids"):
         specfx.speculate(model, draft=model, compile=False)

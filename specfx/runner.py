@@ -62,6 +62,12 @@ class ModelRunner:
 
     def __init__(self, model, role: str):
         check_causal_lm(model, role)
+        if any(p.is_meta for p in model.parameters()):
+            raise ValueError(
+                f"{role} ({type(model).__name__}) has weights on the meta device (built without "
+                f"loading them): load it with from_pretrained(path), or materialise it with "
+                f".to_empty(device=...) and load its weights, before speculate()."
+            )
         self.mask_format = check_attn_implementation(model)
         config = model.config.get_text_config()
         self.mask_plan = mask_plan(config, type(model).__name__)

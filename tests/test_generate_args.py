@@ -164,7 +164,6 @@ def test_float_and_bool_masks_of_zeros_and_ones(spec, target, dtype):
     assert torch.equal(spec.generate(ids, attention_mask=mask.to(dtype), **kw), expected)
 
 
-@pytest.mark.xfail(strict=True, reason="needs a meta-device check in ModelRunner (runner.py, not this change)")
 def test_draft_on_the_meta_device_is_refused(target):
     with torch.device("meta"):
         draft = AutoModelForCausalLM.from_config(tiny_config("llama")).eval()
@@ -172,7 +171,6 @@ def test_draft_on_the_meta_device_is_refused(target):
         specfx.speculate(target, draft=draft, compile=False)
 
 
-@pytest.mark.xfail(strict=True, reason="needs a meta-device check in ModelRunner (runner.py, not this change)")
 def test_target_on_the_meta_device_is_refused():
     with torch.device("meta"):
         target = AutoModelForCausalLM.from_config(tiny_config("llama")).eval()

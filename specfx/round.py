@@ -20,7 +20,10 @@ __all__ = ["EOS_SLOTS", "RoundState", "RoundContext", "prefill_step", "round_ste
 # EOS ids the state holds without reallocating (Llama 3 has 3); more reallocate a larger buffer.
 EOS_SLOTS = 8
 
+# Random streams. A round draws all its uniforms from one block (one hash chain in the graph,
+# not one per draft step: the chains dominated compile time); each use takes its own slice.
 _STREAM_PREFILL = 0
+_STREAM_ROUND = 1
 _STREAM_ACCEPT = 1000
 _STREAM_RESAMPLE = 1001
 
@@ -104,9 +107,28 @@ class RoundContext:
         self.tokens = state.tokens
         self.lengths = state.lengths
         self.do_sample = state.values["do_sample"]  # [] bool tensor (a device value, never branched on)
+        self._block: torch.Tensor | None = None  # [B, 2K+2, V] uniforms of this round, made on first use
 
     def uniform(self, stream: int, shape) -> torch.Tensor:
-        return uniform(self.state.seed, self.state.counter, stream, tuple(shape))
+        """Uniforms in (0, 1) for one use in this round: draft step i (stream 1 + i, ``[B, 1,
+        V]``), acceptance (``[B, K]``) and resampling (``[B, K+1, V]``) are disjoint slices of
+        one block (rows 0..K-1, K..2K and the head of row 2K+1); anything else hashes its own."""
+        b, k, v = self.tokens.shape[0], self.k, self.vocab
+        shape = tuple(shape)
+        if k > 0 and v >= k:
+            if 1 <= stream <= k and shape == (b, 1, v):
+                return self._noise()[:, stream - 1 : stream]
+            if stream == _STREAM_RESAMPLE and shape == (b, k + 1, v):
+                return self._noise()[:, k : 2 * k + 1]
+            if stream == _STREAM_ACCEPT and shape == (b, k):
+                return self._noise()[:, 2 * k + 1, :k]
+        return uniform(self.state.seed, self.state.counter, stream, shape)
+
+    def _noise(self) -> torch.Tensor:
+        if self._block is None:
+            b, k, v = self.tokens.shape[0], self.k, self.vocab
+            self._block = uniform(self.state.seed, self.state.counter, _STREAM_ROUND, (b, 2 * k + 2, v))
+        return self._block
 
     def process(self, logits: torch.Tensor, first: int, drafted: list) -> torch.Tensor:
         """Processed scores for ``logits [B, T, V]`` predicting positions

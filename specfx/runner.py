@@ -100,6 +100,12 @@ class ModelRunner:
         seq = probe_tokens(self.probe_length, self.vocab_size, self.device)
         with torch.no_grad():
             full = full_logits(model, seq)
+        if not bool(full.isfinite().all()):
+            raise ValueError(
+                f"{self.role} ({type(model).__name__}) produces NaN or inf logits in its own forward "
+                f"(on specfx's check sequence of {seq.numel()} tokens), so specfx cannot check that it "
+                f"runs it exactly. Check the weights and dtype (float16 overflow is a common cause)."
+            )
         failure = self._probe(seq, full, capacity)
         if failure is not None and self.probed_capacity == 0 and self.mask_plan.single == ("full", None):
             self.protocol = "rowwise_2d"  # e.g. ALiBi from a 2-D mask (Bloom)

@@ -32,7 +32,7 @@ def test_many_shapes_and_modes_never_hit_the_recompile_limit():
         ids = prompt(5 + batch, batch=batch, seed=batch)
         assert torch.equal(spec.generate(ids, max_new_tokens=8), _hf(target, ids, max_new_tokens=8))
         torch.manual_seed(batch)
-        out = spec.generate(ids, max_new_tokens=8, do_sample=True, top_k=10, temperature=0.7)
+        out = spec.generate(ids, max_new_tokens=8, do_sample=True, top_k=10, temperature=0.7, eos_token_id=None)
         assert out.shape == (batch, ids.shape[1] + 8)
     assert sorted(e.key[1] for e in spec.compile_events) == [1, 2, 4, 8]
 
@@ -98,10 +98,19 @@ def test_failed_reallocation_leaves_a_working_generator():
 
 
 def _nan_model():
+    """A tiny model whose logits turn NaN once ``model.nan`` is set (after speculate(): the
+    probe refuses a model that is NaN from the start)."""
     model = copy.deepcopy(tiny_causal_lm("llama"))
-    with torch.no_grad():
-        model.lm_head.weight[17] = float("nan")  # NaN logits for every position
+    model.nan = False
+    model.lm_head.register_forward_hook(lambda m, args, out: out * float("nan") if model.nan else out)
     return model
+
+
+def test_model_with_nan_logits_is_refused_clearly():
+    model = _nan_model()
+    model.nan = True
+    with pytest.raises(ValueError, match="NaN or inf logits in its own forward"):
+        specfx.speculate(model, draft="prompt_lookup", compile=False)
 
 
 @pytest.mark.parametrize("max_new_tokens", [1, 12])
@@ -110,6 +119,7 @@ def test_nan_logits_while_sampling_raise(max_new_tokens):
     with the finished flags (no extra sync per round), also after the last round."""
     model = _nan_model()
     spec = specfx.speculate(model, draft="prompt_lookup", num_speculative_tokens=2, compile=False)
+    model.nan = True
     with pytest.raises(RuntimeError, match="inf.*nan"):
         model.generate(prompt(6), do_sample=True, max_new_tokens=max_new_tokens, pad_token_id=0)  # HF raises too
     with pytest.raises(RuntimeError, match="NaN or inf"):
@@ -120,6 +130,7 @@ def test_nan_flag_is_per_call():
     """After a NaN call, a later call on a healthy state works (the flag is reset)."""
     model = _nan_model()
     spec = specfx.speculate(model, draft="prompt_lookup", num_speculative_tokens=2, compile=False)
+    model.nan = True
     with pytest.raises(RuntimeError):
         spec.generate(prompt(6), do_sample=True, max_new_tokens=5, pad_token_id=0)
     greedy = spec.generate(prompt(6), max_new_tokens=5, pad_token_id=0)  # HF's greedy does not raise either

@@ -274,8 +274,10 @@ class SpeculativeGenerator:
         (or ``inputs``), attention_mask (left padding), max_new_tokens, max_length,
         min_new_tokens, min_length, do_sample, temperature, top_k, top_p, repetition_penalty,
         eos_token_id (int or list), pad_token_id, generation_config, streamer,
-        stopping_criteria, max_time, return_dict_in_generate. Returns what HF returns: a
-        ``[B, S + new]`` LongTensor, or a ``GenerateDecoderOnlyOutput`` with ``sequences``.
+        stopping_criteria, max_time, return_dict_in_generate (with output_scores,
+        output_logits), logits_to_keep. Returns what HF returns: a ``[B, S + new]`` LongTensor,
+        or a ``GenerateDecoderOnlyOutput`` with ``sequences``, ``past_key_values`` and, when asked,
+        ``scores``/``logits``.
         Arguments it cannot honour raise ``ValueError`` naming the argument.
 
         Safe to call from several threads (calls are serialised) and under

@@ -1,7 +1,7 @@
 """Count and time the cold compiles a long-lived compiled generator pays for a mixed workload.
 
 The call mix is the soak test's (tests/test_soak.py): one Inductor-compiled generator (tiny
-Llama target, perturbed-copy draft, K = 3), a first request that grows the buffers, then the 15
+Llama target, perturbed-copy draft, K = 3), a first request (100 + 150 tokens) that grows the buffers to 512 slots, then the 15
 classes (batch 1/2/3 x greedy, greedy + repetition penalty + min length, temperature, top-k,
 top-p + penalty) once each, then 48 replays of those classes with new prompts (1..60 tokens,
 ragged) and max_new_tokens (1..40). Each call that added a compiled graph counts as a compile;
@@ -54,7 +54,7 @@ def run(replays: int = 48) -> dict:
     target = tiny_causal_lm("llama")
     spec = specfx.speculate(target, draft=perturbed_copy(target, 0.03), num_speculative_tokens=3)
     rng = random.Random(0)
-    calls = [((1, "greedy"), (torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(5)), None, 120))]
+    calls = [((1, "greedy"), (torch.randint(3, 128, (1, 100), generator=torch.Generator().manual_seed(5)), None, 150))]
     calls += [(c, _request(c[0], rng)) for c in CLASSES]
     calls += [(CLASSES[(7 * i) % len(CLASSES)], _request(CLASSES[(7 * i) % len(CLASSES)][0], rng)) for i in range(replays)]
     records = []

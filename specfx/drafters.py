@@ -212,7 +212,8 @@ def _named(draft: str) -> Drafter:
         raise ValueError(
             f"unknown drafter {draft!r}. Named drafters: {known} (an argument follows a colon, "
             f"e.g. 'prompt_lookup:3'); or pass a draft model (a causal LM sharing the target's "
-            f"vocabulary) or a specfx Drafter instance."
+            f"vocabulary; a model name is not loaded for you: draft=AutoModelForCausalLM.from_pretrained(name)) "
+            f"or a specfx Drafter instance."
         )
     return _load(NAMED_DRAFTERS[name])(arg or None)
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .graph_utils import mark_static
+
 __all__ = ["SlotCache", "SlotLayer"]
 
 
@@ -36,10 +38,7 @@ class SlotLayer(CacheLayerMixin):
         b, cap = self.owner.rows.shape[0], self.owner.capacity  # all rows, even from a one-row forward
         self.keys = key_states.new_zeros((b, h, cap, key_states.shape[-1]))  # [B, H, C, Dk]
         self.values = value_states.new_zeros((b, h, cap, value_states.shape[-1]))  # [B, H, C, Dv]
-        if self.keys.is_cuda:
-            # Static addresses let Inductor's CUDA graphs keep in-place writes to these buffers.
-            torch._dynamo.mark_static_address(self.keys)
-            torch._dynamo.mark_static_address(self.values)
+        mark_static(self.keys, self.values)  # written in place by every round
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):

@@ -2,19 +2,32 @@
 
 A drafter runs inside the round graph, so everything it does is fixed-shape tensor code.
 :class:`DraftModel` wraps a small causal LM; drafter-free methods (prompt lookup, early exit,
-MTP heads) register a factory in :data:`NAMED_DRAFTERS` and, to be picked when no draft is
-given, an availability check in :data:`DEFAULT_DRAFTERS`.
+MTP heads) are listed by name in :data:`NAMED_DRAFTERS` and, to be picked when no draft is
+given, with an availability check in :data:`DEFAULT_DRAFTERS`. Both tables are declarative:
+their modules are imported when a name is resolved, never registered by importing them.
+Drafters that run a model per proposal draft through one loop, :func:`draft_chain`.
 """
 
 from __future__ import annotations
 
+import importlib
+import os
 from collections.abc import Callable
 
 import torch
 
 from .runner import ModelRunner
 
-__all__ = ["Drafter", "DraftModel", "DEFAULT_DRAFTERS", "NAMED_DRAFTERS", "VERIFY_COST", "draft_token", "resolve_drafter"]
+__all__ = [
+    "Drafter",
+    "DraftModel",
+    "DEFAULT_DRAFTERS",
+    "NAMED_DRAFTERS",
+    "VERIFY_COST",
+    "draft_chain",
+    "draft_token",
+    "resolve_drafter",
+]
 
 # Cost of verifying one more position, relative to a target forward over one token: the
 # default of Drafter.proposal_cost. Batch-1 decoding reads the weights once whatever the token
@@ -114,39 +127,90 @@ class DraftModel(Drafter):
         lengths = ctx.lengths  # [B]
         pos = torch.stack([lengths - 1, lengths], dim=1)  # [B, 2]
         ids = ctx.tokens.gather(1, pos)  # [B, 2]: last committed token, pending token
-        logits = self.runner.forward(ids, pos, pos)[:, -1:]  # [B, 1, V]
-        proposals: list[torch.Tensor] = []
-        qs: list[torch.Tensor] = []
-        for i in range(ctx.k):
-            token = draft_token(ctx, logits, i, proposals, qs)  # [B, 1]
-            if i + 1 < ctx.k:
-                p = (lengths + 1 + i).unsqueeze(1)  # [B, 1]
-                logits = self.runner.forward(token, p, p)
-        q = torch.cat(qs, dim=1)
-        return torch.cat(proposals, dim=1), q
+        first = self.runner.forward(ids, pos, pos)[:, -1:]  # [B, 1, V]
+
+        def step(i, proposals):
+            p = (lengths + i).unsqueeze(1)  # [B, 1], the position of proposal i - 1
+            return self.runner.forward(proposals[-1], p, p)
+
+        return draft_chain(ctx, first, step)
 
 
-# name -> factory(argument or None) -> Drafter; ``draft="name"`` or ``draft="name:arg"``.
-# Drafter-free methods register here (prompt lookup, early exit, MTP).
-NAMED_DRAFTERS: dict[str, Callable[[str | None], Drafter]] = {}
+def draft_chain(ctx, first_logits: torch.Tensor, step: Callable[[int, list], torch.Tensor]):
+    """The K-step draft loop of every drafter that runs a model per proposal (a draft model,
+    an early exit, MTP heads): proposal 0 from ``first_logits [B, 1, V]``, proposal ``i``
+    (``1 <= i < K``) from ``step(i, proposals) -> logits [B, 1, V]``, where ``proposals`` holds
+    the ``i`` tokens ``[B, 1]`` drafted so far (the last one is the step's input). Each is
+    processed and sampled or argmaxed by :func:`draft_token`.
+
+    Returns proposals ``[B, K]`` and q ``[B, K, V]``, the distributions the proposals were
+    sampled from (when sampling; greedy rounds do not read q)."""
+    proposals: list[torch.Tensor] = []
+    qs: list[torch.Tensor] = []
+    logits = first_logits
+    for i in range(ctx.k):
+        if i > 0:  # no step after the last proposal: its logits would go unused
+            logits = step(i, proposals)
+        draft_token(ctx, logits, i, proposals, qs)
+    return torch.cat(proposals, dim=1), torch.cat(qs, dim=1)
+
+
+# name -> factory(argument or None) -> Drafter, for ``draft="name"`` or ``draft="name:arg"``.
+# A factory is a callable or a ``"module:attribute"`` reference, imported when the name is
+# resolved: the table is the one place drafters are declared, and no module has to be
+# imported first (or register itself as a side effect of being imported).
+NAMED_DRAFTERS: dict[str, str | Callable[[str | None], Drafter]] = {
+    "prompt_lookup": "specfx.prompt_lookup:from_name",
+    "early_exit": "specfx.early_exit:from_name",
+    "mtp": "specfx.mtp:from_name",
+}
+
+
+def _always(model) -> bool:
+    return True
+
 
 # What ``speculate(model)`` uses without ``draft=``: the first ``(name, available(model))``
-# whose check passes, built as ``NAMED_DRAFTERS[name](None)``. Prompt lookup needs nothing
-# from the model, so it is the fallback; methods that need model parts (MTP heads) are
-# inserted before it by their modules.
-DEFAULT_DRAFTERS: list[tuple[str, Callable[[object], bool]]] = [("prompt_lookup", lambda model: True)]
+# whose check passes, built as ``NAMED_DRAFTERS[name](None)``; a check is a callable or a
+# ``"module:attribute"`` reference. Methods that need model parts (MTP heads) come first;
+# prompt lookup needs nothing from the model, so it is the fallback.
+DEFAULT_DRAFTERS: list[tuple[str, str | Callable[[object], bool]]] = [
+    ("mtp", "specfx.mtp:has_mtp"),
+    ("prompt_lookup", _always),
+]
+
+
+def _load(ref):
+    """A callable from the tables above: itself, or ``"module:attribute"`` imported now."""
+    if callable(ref):
+        return ref
+    module, _, attribute = ref.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+def _looks_like_a_path(draft: str) -> bool:
+    # a hub id ("org/name") or a file-system path; no drafter name has a slash
+    return "/" in draft or os.sep in draft or os.path.exists(draft)
 
 
 def _named(draft: str) -> Drafter:
     name, _, arg = draft.partition(":")
     if name not in NAMED_DRAFTERS:
         known = ", ".join(repr(n) for n in sorted(NAMED_DRAFTERS)) or "none"
+        if _looks_like_a_path(draft):
+            raise ValueError(
+                f"draft={draft!r} looks like a path or a Hugging Face hub id, but draft= takes a model "
+                f"object, not where to load one from: load the draft model first, e.g. "
+                f"draft=AutoModelForCausalLM.from_pretrained({draft!r}) (a smaller causal LM sharing the "
+                f"target's vocabulary). Named drafters: {known}."
+            )
         raise ValueError(
             f"unknown drafter {draft!r}. Named drafters: {known} (an argument follows a colon, "
             f"e.g. 'prompt_lookup:3'); or pass a draft model (a causal LM sharing the target's "
-            f"vocabulary) or a specfx Drafter instance."
+            f"vocabulary; a model name is not loaded for you: draft=AutoModelForCausalLM.from_pretrained(name)) "
+            f"or a specfx Drafter instance."
         )
-    return NAMED_DRAFTERS[name](arg or None)
+    return _load(NAMED_DRAFTERS[name])(arg or None)
 
 
 def resolve_drafter(draft, model) -> Drafter:
@@ -162,7 +226,7 @@ def resolve_drafter(draft, model) -> Drafter:
         return _named(draft)
     if draft is None:
         for name, available in DEFAULT_DRAFTERS:
-            if available(model):
+            if _load(available)(model):
                 return _named(name)
         raise ValueError(
             "speculate(): no default drafter is available for this model; pass draft=, a smaller "

@@ -26,12 +26,11 @@ the draft wrote before any query reads it, and the mask hides rejected slots aft
 
 from __future__ import annotations
 
-import types
-
 import torch
 from torch import fx, nn
 
-from .drafters import NAMED_DRAFTERS, VERIFY_COST, Drafter, draft_token
+from .drafters import VERIFY_COST, Drafter, draft_chain
+from .graph_utils import fresh_code
 from .passes.early_exit import EarlyExitError, early_exit
 from .runner import ModelRunner
 
@@ -73,20 +72,34 @@ class ExitGraph:
         return out[0] if isinstance(out, (tuple, list)) else out
 
 
-def _fresh_code(fn):
-    # Dynamo caches per code object: a private copy makes every capture trace anew.
-    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+class _Recorder:
+    """The capturing backend: records the ``GraphModule`` Dynamo hands it and its example inputs.
+
+    One instance serves every capture, and it lets go of what it recorded right after: Dynamo
+    keeps each backend it was given in a process-wide table (``eval_frame.cached_backends``)
+    until a process-wide reset, so a backend holding the capture (a closure over a list, say)
+    would keep every captured graph and the KV buffers it was traced against alive, a few MB
+    per reallocation."""
+
+    def __init__(self):
+        self.captured: list = []
+
+    def __call__(self, gm: fx.GraphModule, example_inputs):
+        self.captured.append((gm, list(example_inputs)))
+        return gm.forward
+
+    def take(self) -> list:
+        captured, self.captured = self.captured, []
+        return captured
+
+
+_RECORDER = _Recorder()
 
 
 def capture_early_exit(runner: ModelRunner, exit_layer: int, batch_size: int, tokens: int = 1) -> ExitGraph:
     """Capture ``runner.forward`` for ``[batch_size, tokens]`` inputs and cut it after
     ``exit_layer`` layers. The runner's cache must be allocated; the capture writes only its
     trash slot."""
-    captured = []
-
-    def backend(gm, example_inputs):
-        captured.append((gm, list(example_inputs)))
-        return gm.forward
 
     def forward(ids, positions, slots):
         return runner.forward(ids, positions, slots)
@@ -95,15 +108,25 @@ def capture_early_exit(runner: ModelRunner, exit_layer: int, batch_size: int, to
     ids = torch.zeros((batch_size, tokens), dtype=torch.long, device=device)
     positions = torch.zeros_like(ids)
     slots = torch.full_like(ids, runner.cache.trash_slot)
+    forward = fresh_code(forward)  # a private code object: Dynamo traces it anew, whatever it saw before
     try:
         with torch.no_grad():
-            torch.compile(_fresh_code(forward), backend=backend, fullgraph=True, dynamic=False)(ids, positions, slots)
+            # torch._dynamo.optimize is what torch.compile calls; called directly, Dynamo's
+            # backend table holds one entry (the recorder) instead of a wrapper per capture.
+            torch._dynamo.optimize(_RECORDER, nopython=True, dynamic=False)(forward)(ids, positions, slots)
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise EarlyExitError(
             f"early exit: capturing {type(runner.model).__name__}'s forward as one graph failed "
             f"({type(e).__name__}: {first}); the cut needs a forward Dynamo traces without graph breaks."
         ) from e
+    finally:
+        captured = _RECORDER.take()
+        # The graph is all this capture wants from Dynamo. Its cache entry on the private code
+        # object (guards, transformed code, the compiled function installed in this module's
+        # globals) would outlive the code object: Dynamo's orig_code_map holds the code strongly
+        # from a value whose weak key lives in that very entry, so neither is ever freed. Drop it.
+        torch._dynamo.reset_code(forward.__code__)
     (gm, example_inputs), = captured
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     dynamic = {id(ids): "ids", id(positions): "positions", id(slots): "slots"}
@@ -169,19 +192,18 @@ class EarlyExit(Drafter):
         return VERIFY_COST + self.layer / target.num_layers
 
     def propose(self, ctx):
-        pos = ctx.lengths.unsqueeze(1)  # [B, 1], the pending token's position
-        token = ctx.tokens.gather(1, pos)  # [B, 1]
-        proposals: list[torch.Tensor] = []
-        qs: list[torch.Tensor] = []
-        for i in range(ctx.k):
-            logits = self.graph(token, pos, pos)  # [B, 1, V]; KV of layers < N written at slot pos
-            token = draft_token(ctx, logits, i, proposals, qs)  # [B, 1]
-            pos = pos + 1
-        q = torch.cat(qs, dim=1)
-        return torch.cat(proposals, dim=1), q
+        pending = ctx.lengths.unsqueeze(1)  # [B, 1], the pending token's position L
+        # KV of layers < N is written at the input's slot == position (see the module docstring)
+        first = self.graph(ctx.tokens.gather(1, pending), pending, pending)  # [B, 1, V]
+
+        def step(i, proposals):
+            pos = pending + i  # [B, 1], the position of proposal i - 1
+            return self.graph(proposals[-1], pos, pos)
+
+        return draft_chain(ctx, first, step)
 
 
-def _from_name(arg: str | None) -> EarlyExit:
+def from_name(arg: str | None) -> EarlyExit:
     if arg is None:
         raise ValueError(
             "draft='early_exit' needs the exit layer: draft='early_exit:N' keeps the target's first N "
@@ -195,6 +217,3 @@ def _from_name(arg: str | None) -> EarlyExit:
             f"e.g. 'early_exit:4'."
         ) from None
     return EarlyExit(layer=layer)
-
-
-NAMED_DRAFTERS["early_exit"] = _from_name

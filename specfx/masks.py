@@ -17,7 +17,17 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ATTENTION_LAYER_TYPES", "MASK_FORMATS", "MaskPlan", "build_mask", "check_attn_implementation", "mask_plan"]
+__all__ = [
+    "ATTENTION_LAYER_TYPES",
+    "MASK_FORMATS",
+    "MaskPlan",
+    "build_mask",
+    "check_attn_implementation",
+    "layer_pattern",
+    "mask_plan",
+    "to_format",
+    "visible_slots",
+]
 
 # attention implementation -> mask format it expects when handed a 4-D tensor.
 MASK_FORMATS = {
@@ -66,14 +76,28 @@ def _describe(pattern: Pattern) -> str:
     return "causal" if kind == "full" else f"{kind} {size}"
 
 
-def _size(config, attr: str, layer_type: str, model_name: str) -> int:
+def layer_pattern(config, layer_type: str, model_name: str) -> Pattern:
+    """The mask pattern of ``config``'s layers of type ``layer_type`` (a ``config.layer_types``
+    value): ``("full", None)``, ``("sliding", W)`` or ``("chunked", S)``, the size read from the
+    config attribute :data:`ATTENTION_LAYER_TYPES` names. Unknown types and sizes that are not
+    a positive int raise a ValueError naming ``model_name``."""
+    if layer_type not in ATTENTION_LAYER_TYPES:
+        raise ValueError(
+            f"{model_name} has layers of type {layer_type!r} (config.layer_types), which keep state "
+            f"specfx cannot roll back per row (only {sorted(ATTENTION_LAYER_TYPES)} are "
+            f"supported). Recurrent, linear-attention and sparse-indexer layers cannot be "
+            f"speculated today."
+        )
+    kind, attr = ATTENTION_LAYER_TYPES[layer_type]
+    if attr is None:
+        return (kind, None)
     size = getattr(config, attr, None)
-    if not isinstance(size, int) or size < 1:
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(
             f"{model_name} has {layer_type!r} layers but config.{attr} is {size!r}; specfx needs a "
             f"positive int to build that layer's mask."
         )
-    return size
+    return (kind, size)
 
 
 def mask_plan(config, model_name: str) -> MaskPlan:
@@ -83,17 +107,7 @@ def mask_plan(config, model_name: str) -> MaskPlan:
     raise: specfx cannot keep their state per row with rollback."""
     layer_types = getattr(config, "layer_types", None)
     if layer_types:
-        by_type = {}
-        for t in dict.fromkeys(layer_types):
-            if t not in ATTENTION_LAYER_TYPES:
-                raise ValueError(
-                    f"{model_name} has layers of type {t!r} (config.layer_types), which keep state "
-                    f"specfx cannot roll back per row (only {sorted(ATTENTION_LAYER_TYPES)} are "
-                    f"supported). Recurrent, linear-attention and sparse-indexer layers cannot be "
-                    f"speculated today."
-                )
-            kind, attr = ATTENTION_LAYER_TYPES[t]
-            by_type[t] = (kind, None if attr is None else _size(config, attr, t, model_name))
+        by_type = {t: layer_pattern(config, t, model_name) for t in dict.fromkeys(layer_types)}
         if len(set(by_type.values())) == 1:
             return MaskPlan(next(iter(by_type.values())), None)
         return MaskPlan(None, by_type)
@@ -114,10 +128,8 @@ def check_attn_implementation(model) -> str:
     return impl
 
 
-def build_mask(
-    positions: torch.Tensor, capacity: int, fmt: str, dtype: torch.dtype, pattern: Pattern = ("full", None)
-) -> torch.Tensor:
-    """``positions [B, T]`` -> mask ``[B, 1, T, capacity]``: slot j visible iff j <= p and j is
+def visible_slots(positions: torch.Tensor, capacity: int, pattern: Pattern = ("full", None)) -> torch.Tensor:
+    """``positions [B, T]`` -> bool ``[B, 1, T, capacity]``: slot j visible iff j <= p and j is
     inside p's window/chunk."""
     slots = torch.arange(capacity, device=positions.device).view(1, 1, 1, capacity)
     pos = positions.unsqueeze(1).unsqueeze(-1)  # [B, 1, T, 1]
@@ -127,7 +139,21 @@ def build_mask(
         visible = visible & (slots > pos - size)
     elif kind == "chunked":
         visible = visible & (slots // size == pos // size)
+    return visible
+
+
+def to_format(visible: torch.Tensor, fmt: str, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask (True = attend) in the format of :data:`MASK_FORMATS`: itself for ``"bool"``,
+    ``0`` / ``finfo(dtype).min`` of ``dtype`` for ``"additive"``."""
     if fmt == "bool":
         return visible
-    zero = torch.zeros((), dtype=dtype, device=positions.device)
+    zero = torch.zeros((), dtype=dtype, device=visible.device)
     return torch.where(visible, zero, torch.finfo(dtype).min)
+
+
+def build_mask(
+    positions: torch.Tensor, capacity: int, fmt: str, dtype: torch.dtype, pattern: Pattern = ("full", None)
+) -> torch.Tensor:
+    """``positions [B, T]`` -> mask ``[B, 1, T, capacity]`` in format ``fmt``: slot j visible
+    iff j <= p and j is inside p's window/chunk (:func:`visible_slots`)."""
+    return to_format(visible_slots(positions, capacity, pattern), fmt, dtype)

@@ -40,8 +40,9 @@ import torch
 import torch.nn.functional as F
 
 from .cache import SlotCache
-from .drafters import DEFAULT_DRAFTERS, NAMED_DRAFTERS, VERIFY_COST, Drafter, draft_token
-from .masks import ATTENTION_LAYER_TYPES, build_mask, check_attn_implementation
+from .drafters import VERIFY_COST, Drafter, draft_chain
+from .graph_utils import mark_static
+from .masks import check_attn_implementation, layer_pattern, to_format, visible_slots
 from .runner import ModelRunner
 
 __all__ = ["MTP", "has_mtp", "mtp_layer_count", "mtp_support", "random_mtp_layers"]
@@ -204,14 +205,9 @@ class MTP(Drafter):
             )
         config = self.mtp.config
         self.layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * self.num_layers)
-        self.patterns = []  # per MTP layer: ("full", None) | ("sliding", W) | ("chunked", S)
-        for t in self.layer_types:
-            if t not in ATTENTION_LAYER_TYPES:
-                raise ValueError(
-                    f"draft='mtp': MTP layers of type {t!r} are not supported (only {sorted(ATTENTION_LAYER_TYPES)})."
-                )
-            kind, attr = ATTENTION_LAYER_TYPES[t]
-            self.patterns.append((kind, None if attr is None else int(getattr(config, attr))))
+        owner = f"draft='mtp': {type(model).__name__}'s MTP layers"
+        # per MTP layer: ("full", None) | ("sliding", W) | ("chunked", S)
+        self.patterns = [layer_pattern(config, t, owner) for t in self.layer_types]
         self.mask_format = check_attn_implementation(self.mtp)
         self.target = target
         self.vocab = target.vocab_size
@@ -221,6 +217,8 @@ class MTP(Drafter):
         self.cache = SlotCache(self.num_layers, batch_size, capacity, device)
         hidden = self.mtp.config.hidden_size
         self.stash = torch.zeros((self.num_layers, batch_size, 1, hidden), dtype=self.target.dtype, device=device)
+        # written in place every round, like the KV buffers (whose SlotLayers mark themselves)
+        mark_static(self.stash)
         # One eager probe per layer allocates its KV buffers (shapes learned from the layer
         # itself) writing only the trash slot, so no compiled graph allocates them.
         zeros = torch.zeros((batch_size, 1), dtype=torch.long, device=device)
@@ -243,14 +241,11 @@ class MTP(Drafter):
         within the layer's window or chunk; a query with ``q <= i`` (never a real draft) sees only slot
         q, so no row is fully masked (SDPA would return NaN)."""
         capacity = self.cache.capacity
-        visible = build_mask(positions, capacity, "bool", self.target.dtype, self.patterns[i])
+        visible = visible_slots(positions, capacity, self.patterns[i])
         slots = torch.arange(capacity, device=positions.device).view(1, 1, 1, -1)
         q = positions.unsqueeze(1).unsqueeze(-1)  # [B, 1, T, 1]
         visible = visible & ((slots >= i + 1) | (slots == q))
-        if self.mask_format == "bool":
-            return visible
-        zero = torch.zeros((), dtype=self.target.dtype, device=positions.device)
-        return torch.where(visible, zero, torch.finfo(self.target.dtype).min)
+        return to_format(visible, self.mask_format, self.target.dtype)
 
     def _layer(self, i: int, ids, hidden, positions, slots) -> torch.Tensor:
         """MTP layer ``i`` on tokens ``ids [B, T]`` at ``positions`` with the previous depth's
@@ -301,14 +296,13 @@ class MTP(Drafter):
             self.stash[i].copy_(torch.where(advanced, out.gather(1, index), self.stash[i]))
 
     def propose(self, ctx):
-        m, k = self.num_layers, ctx.k
+        m = self.num_layers
         lengths = ctx.lengths.unsqueeze(1)  # [B, 1], the pending position L
-        proposals: list[torch.Tensor] = []
-        qs: list[torch.Tensor] = []
-        token = draft_token(ctx, self._logits(self.stash[0]), 0, proposals, qs)  # layer 0 at L -> L + 1
-        prev = self.stash[0][:, :0]  # [B, 0, H]: depth 0 outputs at L+1.. (none)
+        prev = self.stash[0][:, :0]  # [B, i, H]: depth i - 1 outputs at L+1..L+i - 1 (none yet)
         last = self.stash[0]  # [B, 1, H]: the hidden the next chained step starts from
-        for i in range(1, k):
+
+        def step(i, proposals):
+            nonlocal prev, last
             if i < m:  # layer i over the draft positions L+1..L+i, as in HF's MtpModel.forward
                 pos = lengths + torch.arange(1, i + 1, device=lengths.device)  # [B, i]
                 ids = torch.cat(proposals, dim=1)  # [B, i]
@@ -316,18 +310,13 @@ class MTP(Drafter):
                 prev, last = out, out[:, -1:]
             else:  # past the MTP layers: chain the last one on its own output
                 pos = lengths + i  # [B, 1]
-                last = self._layer(m - 1, token, last, pos, pos)
-            token = draft_token(ctx, self._logits(last), i, proposals, qs)
-        q = torch.cat(qs, dim=1)
-        return torch.cat(proposals, dim=1), q
+                last = self._layer(m - 1, proposals[-1], last, pos, pos)
+            return self._logits(last)
+
+        return draft_chain(ctx, self._logits(self.stash[0]), step)  # proposal 0: layer 0 at L -> L + 1
 
 
-def _from_name(arg: str | None) -> MTP:
+def from_name(arg: str | None) -> MTP:
     if arg is not None:
         raise ValueError(f"draft='mtp:{arg}': 'mtp' takes no argument; use draft='mtp'.")
     return MTP()
-
-
-NAMED_DRAFTERS["mtp"] = _from_name
-if not any(name == "mtp" for name, _ in DEFAULT_DRAFTERS):
-    DEFAULT_DRAFTERS.insert(0, ("mtp", has_mtp))  # speculate(model) uses MTP heads when the model has them

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .drafters import NAMED_DRAFTERS, Drafter
+from .drafters import Drafter
 
 __all__ = ["MAX_NGRAM", "PromptLookup", "lookup_proposals"]
 
@@ -119,7 +119,7 @@ class PromptLookup(Drafter):
         return proposals, None
 
 
-def _from_name(arg: str | None) -> PromptLookup:
+def from_name(arg: str | None) -> PromptLookup:
     if arg is None:
         return PromptLookup()
     try:
@@ -130,6 +130,3 @@ def _from_name(arg: str | None) -> PromptLookup:
             f"(e.g. 'prompt_lookup:3')."
         ) from None
     return PromptLookup(max_ngram=n)
-
-
-NAMED_DRAFTERS["prompt_lookup"] = _from_name

@@ -159,3 +159,27 @@ def test_compiled_greedy_equals_generate_and_stays_warm(one_thread):
     ids = prompt(5, batch=2, seed=2)
     assert torch.equal(spec.generate(ids, max_new_tokens=9), target.generate(ids, max_new_tokens=9))
     assert len(spec.graphs) == graphs  # warm: nothing recompiled
+
+
+def test_reallocations_free_the_old_capture_and_kv_buffers(one_thread):
+    """Every reallocation captures the target anew; the capture before it, and the KV buffers it
+    was traced against, must be freed (issue 16 item 10: ~5 MB kept per reallocation, because
+    Dynamo kept each capture's backend, cache entry and compiled function forever)."""
+    import gc
+    import weakref
+
+    from torch import fx
+
+    target = tiny_causal_lm("llama", num_layers=2, seed=3)
+    spec = specfx.speculate(target, draft="early_exit:1", num_speculative_tokens=2, compile=False)
+    old_buffers, old_graphs, live_graph_modules = [], [], []
+    for i in range(6):  # batch 1, 2, 1, ...: a reallocation and a new capture per call
+        ids = prompt(6, batch=1 + i % 2, seed=i)
+        assert torch.equal(spec.generate(ids, max_new_tokens=3), target.generate(ids, max_new_tokens=3))
+        old_buffers.append(weakref.ref(spec.target_runner.cache.layers[0].keys))
+        old_graphs.append(weakref.ref(spec.drafter.graph.gm))
+        gc.collect()
+        live_graph_modules.append(sum(isinstance(o, fx.GraphModule) for o in gc.get_objects()))
+    assert [r() is not None for r in old_buffers] == [False] * 5 + [True]
+    assert [r() is not None for r in old_graphs] == [False] * 5 + [True]
+    assert live_graph_modules[-1] == live_graph_modules[1]  # flat, not one more per capture

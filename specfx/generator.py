@@ -6,6 +6,7 @@ import logging
 import threading
 import time
 import types
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,8 +17,8 @@ from .auto_k import AutoK
 from .config import AUTO, SpecConfig
 from .drafters import resolve_drafter
 from .generate_args import GenerateRequest, resolve_generate_args
-from .graph_utils import fresh_code
-from .passes.backend import GraphRecord, make_backend
+from .graph_utils import fresh_code, release_code
+from .passes.backend import GraphRecord, GraphRecords, make_backend
 from .round import RoundState, prefill_step, round_step
 from .runner import ModelRunner
 from .stats import SpecStats
@@ -52,6 +53,11 @@ def speculate(
     """
     config = SpecConfig(num_speculative_tokens=num_speculative_tokens, compile=compile, backend=backend, **options)
     return SpeculativeGenerator(model, draft, config)
+
+
+def release_code_map(codes: dict) -> None:
+    release_code(*codes.values())
+    codes.clear()
 
 
 @dataclass
@@ -90,9 +96,12 @@ class SpeculativeGenerator:
         self.state: RoundState | None = None
         self._shape: tuple[int, int] | None = None  # (batch bucket, capacity) of the allocated state
         self._signature: tuple | None = None  # dtypes/devices of the models when state was allocated
-        self.graphs: list[GraphRecord] = []
+        self.graphs: list[GraphRecord] = GraphRecords()
         self._backend = make_backend(config.backend, self.graphs) if isinstance(config.backend, str) else config.backend
         self._variants: OrderedDict[tuple, Callable] = OrderedDict()  # graph_key -> compiled fn (LRU)
+        self._codes: dict[tuple, types.CodeType] = {}  # graph_key -> its private code object
+        # Dynamo never frees a compiled code object's cache: release ours when this generator goes
+        weakref.finalize(self, release_code_map, self._codes)
         self.compile_events: list[CompileEvent] = []
         self._lock = threading.RLock()
         self.stats = SpecStats()
@@ -160,7 +169,9 @@ class SpeculativeGenerator:
         if fn is not None:
             self._variants.move_to_end(key)
             return fn
-        bound = types.MethodType(fresh_code(impl), self)
+        code = fresh_code(impl)
+        self._codes[key] = code.__code__
+        bound = types.MethodType(code, self)
         compiled_fn = torch.compile(bound, backend=self._backend, fullgraph=True, dynamic=False)
 
         def first_call(*args):
@@ -169,7 +180,7 @@ class SpeculativeGenerator:
             try:
                 result = compiled_fn(*args)
             except BaseException:
-                self._variants.pop(key, None)  # a failed compile is retried next time, not kept
+                self._drop(key)  # a failed compile is retried next time, not kept
                 raise
             self.compile_events.append(CompileEvent(key, time.monotonic() - start))
             self._variants[key] = compiled_fn
@@ -177,9 +188,17 @@ class SpeculativeGenerator:
 
         self._variants[key] = first_call
         while len(self._variants) > self.spec_config.max_graphs:
-            evicted, _ = self._variants.popitem(last=False)
+            evicted = next(iter(self._variants))
             logger.info("specfx: evicting the compiled graph for %s (max_graphs=%d)", evicted, self.spec_config.max_graphs)
+            self._drop(evicted)
         return first_call
+
+    def _drop(self, key: tuple) -> None:
+        """Forget a variant and free what Dynamo compiled for it."""
+        self._variants.pop(key, None)
+        code = self._codes.pop(key, None)
+        if code is not None:
+            release_code(code)
 
     def round_fn(self, k: int | None = None, collect: bool = False) -> Callable:
         """One round of the allocated state (after a ``generate()`` call) as a callable
@@ -227,7 +246,8 @@ class SpeculativeGenerator:
             if self._signature is not None:
                 logger.info("specfx: the model's dtype or device changed; reallocating and recompiling")
             self.state, self._shape, self._signature = None, None, None
-            self._variants.clear()
+            for key in list(self._variants):
+                self._drop(key)
         cap = max(self.spec_config.min_capacity, self._shape[1] if self._shape else 0)
         while cap < needed:
             cap *= 2
@@ -235,7 +255,7 @@ class SpeculativeGenerator:
             return
         if self._shape is not None and cap != self._shape[1]:
             for key in [k for k in self._variants if k[2] != cap]:
-                del self._variants[key]
+                self._drop(key)
         self.state, self._shape = None, None
         try:
             self.target_runner.allocate(batch, cap)

@@ -6,7 +6,7 @@ import types
 
 import torch
 
-__all__ = ["fresh_code", "mark_static"]
+__all__ = ["fresh_code", "mark_static", "release_code"]
 
 
 def fresh_code(fn):
@@ -14,9 +14,17 @@ def fresh_code(fn):
 
     Dynamo keeps compiled graphs, guards and the recompile budget per code object, so a copy
     gives each user (a generator's graph variant, one early-exit capture) a private cache that
-    never counts against another's recompile limit and is freed with the copy.
+    never counts against another's recompile limit. Dynamo never frees a compiled code
+    object's cache by itself: call :func:`release_code` when the copy is no longer used.
     """
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+def release_code(*codes) -> None:
+    """Drop Dynamo's cache entries (compiled graphs, guards) of these private code objects, and
+    only theirs (``torch._dynamo.reset()`` would reset the whole process)."""
+    for code in codes:
+        torch._dynamo.reset_code(code)
 
 
 def mark_static(*tensors: torch.Tensor) -> None:

@@ -96,10 +96,17 @@ def test_long_lived_generator_serves_a_mixed_workload(soak):
 
 def test_lru_policy_evicts_beyond_max_graphs(one_thread):
     """With max_graphs=2, a third batch bucket evicts the least recently used round graph."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
     target = tiny_causal_lm("llama")
     spec = specfx.speculate(target, draft="prompt_lookup", num_speculative_tokens=2, max_graphs=2, backend="specfx_eager")
+    codes = {}
     for batch in (1, 2, 4, 1):
         ids = torch.randint(3, 128, (batch, 5), generator=torch.Generator().manual_seed(batch))
         assert torch.equal(spec.generate(ids, max_new_tokens=6), target.generate(ids, max_new_tokens=6))
+        codes.setdefault(batch, spec._codes[("round", batch, 256, 2, False)])
     assert list(spec._variants) == [("round", 4, 256, 2, False), ("round", 1, 256, 2, False)]
     assert [e.key[1] for e in spec.compile_events] == [1, 2, 4, 1]  # batch 1 was evicted, then compiled again
+    # what Dynamo compiled for an evicted variant is freed, not merely forgotten
+    assert _debug_get_cache_entry_list(codes[2]) == [] and _debug_get_cache_entry_list(codes[1]) == []
+    assert len(_debug_get_cache_entry_list(spec._codes[("round", 1, 256, 2, False)])) == 1

@@ -17,6 +17,7 @@ function, and a CUDA graph reuses its output memory on the next call.
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -25,7 +26,7 @@ from torch import fx
 
 from .driver import PassReport, run_passes
 
-__all__ = ["GraphRecord", "make_backend", "specfx_backend", "specfx_eager_backend"]
+__all__ = ["GraphRecord", "GraphRecords", "make_backend", "specfx_backend", "specfx_eager_backend"]
 
 
 @dataclass
@@ -44,6 +45,10 @@ class GraphRecord:
             f"{self.nodes} nodes ({self.report.nodes_before} captured) compiled by {self.compiler}; "
             f"passes: {self.report}; top ops: {top}"
         )
+
+
+class GraphRecords(list):
+    """The :class:`GraphRecord` s of one generator (a list that can be referenced weakly)."""
 
 
 def _op_name(node: fx.Node) -> str:
@@ -65,9 +70,14 @@ def make_backend(inner: str = "specfx", records: list | None = None, *, round_gr
 
         return lookup_backend(inner)
 
+    # Dynamo keeps every backend it is handed for the life of the process, so the backend holds
+    # its records weakly (a GraphRecords list dies with its generator).
+    records_ref = weakref.ref(records) if isinstance(records, GraphRecords) else (lambda: records)
+
     def backend(gm: fx.GraphModule, example_inputs):
         report = run_passes(gm, round_checks=round_graphs)
         ops = Counter(_op_name(n) for n in gm.graph.nodes if n.op in ("call_function", "call_method"))
+        records = records_ref()
         if records is not None:
             compiler = "inductor" if inner == "specfx" else "eager"
             records.append(GraphRecord(len(gm.graph.nodes), report, ops, compiler, gm))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from specfx.config import SpecConfig
 from specfx.drafters import Drafter
 from specfx.sampling import PLACEHOLDER
 
@@ -122,15 +123,15 @@ class OracleDrafter(Drafter):
 
     def _fill(self) -> None:
         ref = self._reference
-        b, c = self.buffer.shape
-        if ref.shape[0] != b:
+        b, c = self.buffer.shape  # b: the batch bucket (real rows first, then inert rows)
+        if ref.shape[0] > b or b > SpecConfig.batch_bucket(ref.shape[0]):
             raise ValueError(
                 f"the oracle's reference has {ref.shape[0]} rows but generate() runs a batch of {b}; "
                 f"compute the reference for the same input_ids (greedy_continuation) and set_reference() it."
             )
         n = min(ref.shape[1], c)
-        self.buffer.fill_(PLACEHOLDER)
-        self.buffer[:, :n].copy_(ref[:, :n])
+        self.buffer.fill_(PLACEHOLDER)  # inert rows past the reference's propose placeholders
+        self.buffer[: ref.shape[0], :n].copy_(ref[:, :n])
 
 
 def _check_alpha(alpha) -> float:

@@ -46,7 +46,9 @@ class Drafter:
         """Check compatibility with the target at ``speculate()`` time."""
 
     def allocate(self, batch_size: int, capacity: int) -> None:
-        """(Re)allocate per-row state for a batch size and buffer capacity."""
+        """(Re)allocate per-row state for a batch size and buffer capacity. ``batch_size`` is
+        the generator's batch bucket (a power of two): rows past a call's own batch are inert,
+        finished from the start, and their proposals are never used."""
 
     def prefill(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """See the prompt: ids/positions/slots ``[B, P]`` (padding goes to the trash slot)."""

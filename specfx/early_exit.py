@@ -57,18 +57,31 @@ class ExitGraph:
     and ``slots`` (``[B, T]``) runs layers 0..N-1, the final norm and the LM head, writes KV of
     layers 0..N-1 into the target's cache at ``slots``, and returns logits ``[B, T, V]``."""
 
-    def __init__(self, gm: fx.GraphModule, inputs: list, removed: int):
+    def __init__(self, gm: fx.GraphModule, inputs: list, removed: int, runner: ModelRunner):
         self.gm = gm
-        self.inputs = inputs  # per placeholder: "ids" | "positions" | "slots" | a bound target tensor
+        # per placeholder: "ids" | "positions" | "slots" | ("kv", layer, "keys" | "values") or
+        # ("cache", None, attribute): a tensor of the runner's *current* cache | a bound target
+        # tensor (a parameter)
+        self.inputs = inputs
         self.removed = removed  # nodes the cut removed
+        self.runner = runner
+
+    def _resolve(self, x, given: dict):
+        if isinstance(x, str):
+            return given[x]
+        if isinstance(x, tuple):  # cache tensors are looked up at call time: the graph survives reallocation
+            kind, layer, name = x
+            cache = self.runner.cache
+            return getattr(cache.layers[layer] if kind == "kv" else cache, name)
+        return x
 
     @property
     def bound(self) -> list[torch.Tensor]:
-        return [x for x in self.inputs if not isinstance(x, str)]
+        return [self._resolve(x, {}) for x in self.inputs if not isinstance(x, str)]
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         given = {"ids": ids, "positions": positions, "slots": slots}
-        out = self.gm(*[given[x] if isinstance(x, str) else x for x in self.inputs])
+        out = self.gm(*[self._resolve(x, given) for x in self.inputs])
         return out[0] if isinstance(out, (tuple, list)) else out
 
 
@@ -129,13 +142,18 @@ def capture_early_exit(runner: ModelRunner, exit_layer: int, batch_size: int, to
         torch._dynamo.reset_code(forward.__code__)
     (gm, example_inputs), = captured
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    dynamic = {id(ids): "ids", id(positions): "positions", id(slots): "slots"}
+    cache = runner.cache  # its tensors are read at call time (the capture outlives reallocations)
+    dynamic = {id(t): ("cache", None, name) for name, t in vars(cache).items() if isinstance(t, torch.Tensor)}
+    for i, layer in enumerate(cache.layers):
+        if layer.is_initialized:
+            dynamic.update({id(layer.keys): ("kv", i, "keys"), id(layer.values): ("kv", i, "values")})
+    dynamic.update({id(ids): "ids", id(positions): "positions", id(slots): "slots"})  # the call's own
     binding = {p.name: dynamic.get(id(x), x) for p, x in zip(placeholders, example_inputs, strict=True)}
     removed = early_exit(gm, layer_names=decoder_layer_names(runner.model), exit_layer=exit_layer)
     inputs = [binding[n.name] for n in gm.graph.nodes if n.op == "placeholder"]
     # A plain GraphModule (Dynamo hands out lazily recompiled ones, which it will not inline
     # when the round graph calls this one).
-    return ExitGraph(fx.GraphModule(gm, gm.graph), inputs, removed)
+    return ExitGraph(fx.GraphModule(gm, gm.graph), inputs, removed, runner)
 
 
 def _check_layer(layer, num_layers: int | None = None) -> int:
@@ -172,6 +190,7 @@ class EarlyExit(Drafter):
         self.layer = _check_layer(layer)
         self.target: ModelRunner | None = None
         self.graph: ExitGraph | None = None
+        self._graphs: dict[tuple[int, int], ExitGraph] = {}  # (batch bucket, capacity) -> capture
 
     def __repr__(self) -> str:
         return f"EarlyExit(layer={self.layer})"
@@ -182,8 +201,15 @@ class EarlyExit(Drafter):
         self.target = target
 
     def allocate(self, batch_size: int, capacity: int) -> None:
-        # The target's cache was just (re)allocated: capture against its new buffers.
-        self.graph = capture_early_exit(self.target, self.layer, batch_size)
+        # One capture per (batch bucket, capacity), reused after a reallocation of the same shape:
+        # it reads the KV buffers of the target's current cache at call time, and a compiled
+        # round guards on the graph module's class (a new capture would recompile every round
+        # graph that calls it).
+        key = (batch_size, capacity)
+        if key not in self._graphs:
+            self._graphs = {k: g for k, g in self._graphs.items() if k[1] == capacity}  # outgrown: dropped
+            self._graphs[key] = capture_early_exit(self.target, self.layer, batch_size)
+        self.graph = self._graphs[key]
 
     def prefill(self, ids, positions, slots) -> None:
         """Nothing to do: the draft's KV for layers < N is the target's, filled by its prefill."""

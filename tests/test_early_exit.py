@@ -148,7 +148,7 @@ def test_early_exit_constructor_type_errors():
 @pytest.mark.compiled
 def test_compiled_greedy_equals_generate_and_stays_warm(one_thread):
     target = tiny_causal_lm("llama", num_layers=2, seed=11)
-    spec = specfx.speculate(target, draft="early_exit:1", num_speculative_tokens=2, compile=True)
+    spec = specfx.speculate(target, draft="early_exit:1", num_speculative_tokens=2, compile=True, compile_prefill=True)
     ids = prompt(8, batch=2, seed=1)
     assert torch.equal(spec.generate(ids, max_new_tokens=12), target.generate(ids, max_new_tokens=12))
     graphs = len(spec.graphs)
@@ -161,10 +161,11 @@ def test_compiled_greedy_equals_generate_and_stays_warm(one_thread):
     assert len(spec.graphs) == graphs  # warm: nothing recompiled
 
 
-def test_reallocations_free_the_old_capture_and_kv_buffers(one_thread):
-    """Every reallocation captures the target anew; the capture before it, and the KV buffers it
-    was traced against, must be freed (issue 16 item 10: ~5 MB kept per reallocation, because
-    Dynamo kept each capture's backend, cache entry and compiled function forever)."""
+def test_reallocations_free_old_kv_buffers_and_reuse_captures(one_thread):
+    """A reallocation must free the KV buffers it replaces (issue 16 item 10: ~5 MB kept per
+    reallocation, because Dynamo kept each capture's backend, cache entry and compiled function,
+    which held the buffers, forever); one capture per (batch bucket, capacity) is kept and reused,
+    reading the current cache's buffers at call time."""
     import gc
     import weakref
 
@@ -172,14 +173,28 @@ def test_reallocations_free_the_old_capture_and_kv_buffers(one_thread):
 
     target = tiny_causal_lm("llama", num_layers=2, seed=3)
     spec = specfx.speculate(target, draft="early_exit:1", num_speculative_tokens=2, compile=False)
-    old_buffers, old_graphs, live_graph_modules = [], [], []
-    for i in range(6):  # batch 1, 2, 1, ...: a reallocation and a new capture per call
+    old_buffers, graphs, live_graph_modules = [], [], []
+    for i in range(6):  # batch 1, 2, 1, ...: a reallocation per call
         ids = prompt(6, batch=1 + i % 2, seed=i)
         assert torch.equal(spec.generate(ids, max_new_tokens=3), target.generate(ids, max_new_tokens=3))
         old_buffers.append(weakref.ref(spec.target_runner.cache.layers[0].keys))
-        old_graphs.append(weakref.ref(spec.drafter.graph.gm))
+        graphs.append(spec.drafter.graph)
         gc.collect()
         live_graph_modules.append(sum(isinstance(o, fx.GraphModule) for o in gc.get_objects()))
     assert [r() is not None for r in old_buffers] == [False] * 5 + [True]
-    assert [r() is not None for r in old_graphs] == [False] * 5 + [True]
-    assert live_graph_modules[-1] == live_graph_modules[1]  # flat, not one more per capture
+    assert len({id(g) for g in graphs}) == 2 and graphs[0] is graphs[2] is graphs[4]
+    assert live_graph_modules[-1] == live_graph_modules[1]  # flat, not one more per reallocation
+
+
+@pytest.mark.compiled
+def test_alternating_batch_sizes_compile_each_round_once(one_thread):
+    """A new capture per reallocation changed the graph module class the round graph guards on:
+    every switch of batch size recompiled the round, and the 9th failed (recompile limit)."""
+    target = tiny_causal_lm("llama", num_layers=2, seed=3)
+    spec = specfx.speculate(target, draft="early_exit:1", num_speculative_tokens=2, backend="specfx_eager")
+    for i in range(12):
+        ids = prompt(6, batch=1 + i % 2, seed=i)
+        with torch._dynamo.config.patch(error_on_recompile=i >= 2):
+            out = spec.generate(ids, max_new_tokens=4)
+        assert torch.equal(out, target.generate(ids, max_new_tokens=4))
+    assert len(spec.compile_events) == 2

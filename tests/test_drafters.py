@@ -72,14 +72,13 @@ class _Ctx:
     k = 3
 
 
-def _fake_draft_token(sampled: bool):
-    """draft_token's contract (argmax, or sample and append the distribution to ``qs``) without
-    its logits processing, so these tests follow the loop only."""
+def _fake_draft_token():
+    """draft_token's contract (choose a token, append it and the distribution it would be
+    sampled from to ``qs``) without its logits processing, so these tests follow the loop only."""
 
     def draft_token(ctx, logits, i, proposals, qs):
         token = logits.argmax(dim=-1)  # [B, 1]
-        if sampled:
-            qs.append(logits.softmax(dim=-1))
+        qs.append(logits.softmax(dim=-1))
         proposals.append(token)
         return token
 
@@ -92,7 +91,7 @@ def _one_hot(tokens, vocab=16):
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_draft_chain_feeds_each_proposal_to_the_next_step(k, monkeypatch):
-    monkeypatch.setattr(drafters, "draft_token", _fake_draft_token(sampled=False))
+    monkeypatch.setattr(drafters, "draft_token", _fake_draft_token())
     ctx = _Ctx()
     ctx.k = k
     calls = []
@@ -105,11 +104,11 @@ def test_draft_chain_feeds_each_proposal_to_the_next_step(k, monkeypatch):
     expected = torch.stack([torch.tensor([3, 5]) + torch.tensor([1, 2]) * j for j in range(k)], dim=1)
     assert torch.equal(proposals, expected)  # [B, K]
     assert calls == [(i, i) for i in range(1, k)]  # step i sees i proposals; none after the last
-    assert q is None  # nothing sampled: q is one-hot on the proposals
+    assert q.shape == (2, k, 16)  # one distribution per proposal (read only when sampling)
 
 
 def test_draft_chain_returns_the_distributions_it_sampled_from(monkeypatch):
-    monkeypatch.setattr(drafters, "draft_token", _fake_draft_token(sampled=True))
+    monkeypatch.setattr(drafters, "draft_token", _fake_draft_token())
     logits = torch.randn(2, 1, 5)
     proposals, q = draft_chain(_Ctx(), logits, lambda i, p: logits * (i + 1))
     assert proposals.shape == (2, 3) and q.shape == (2, 3, 5)

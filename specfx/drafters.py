@@ -73,12 +73,12 @@ class Drafter:
 
 def draft_token(ctx, logits: torch.Tensor, i: int, proposals: list, qs: list) -> torch.Tensor:
     """Proposal ``i`` of a round from draft ``logits [B, 1, V]``: processed like the target's
-    scores, then sampled or argmax (``ctx.choose``: the device value do_sample decides); its
-    distribution is appended to ``qs`` (q, used when sampling), the token to ``proposals``,
-    and it is returned ``[B, 1]``."""
+    scores, then sampled (its distribution appended to ``qs``: q) or argmax (``ctx.choose``);
+    the token is appended to ``proposals`` and returned ``[B, 1]``."""
     scores = ctx.process(logits, i, proposals)  # [B, 1, V]
-    token, probs = ctx.choose(scores, 1 + i)  # [B, 1], [B, 1, V]
-    qs.append(probs)
+    token, probs = ctx.choose(scores, 1 + i)  # [B, 1], [B, 1, V] | None
+    if probs is not None:
+        qs.append(probs)
     proposals.append(token)
     return token
 
@@ -146,7 +146,7 @@ def draft_chain(ctx, first_logits: torch.Tensor, step: Callable[[int, list], tor
     processed and sampled or argmaxed by :func:`draft_token`.
 
     Returns proposals ``[B, K]`` and q ``[B, K, V]``, the distributions the proposals were
-    sampled from (when sampling; greedy rounds do not read q)."""
+    sampled from (None when greedy: nothing was sampled)."""
     proposals: list[torch.Tensor] = []
     qs: list[torch.Tensor] = []
     logits = first_logits
@@ -154,7 +154,7 @@ def draft_chain(ctx, first_logits: torch.Tensor, step: Callable[[int, list], tor
         if i > 0:  # no step after the last proposal: its logits would go unused
             logits = step(i, proposals)
         draft_token(ctx, logits, i, proposals, qs)
-    return torch.cat(proposals, dim=1), torch.cat(qs, dim=1)
+    return torch.cat(proposals, dim=1), torch.cat(qs, dim=1) if qs else None
 
 
 # name -> factory(argument or None) -> Drafter, for ``draft="name"`` or ``draft="name:arg"``.

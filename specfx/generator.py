@@ -77,9 +77,9 @@ class SpeculativeGenerator:
 
     Long-lived use: ``generate()`` calls are serialised by a lock (threads may share one
     generator), run outside ``torch.inference_mode`` and grad mode whatever the caller's, and
-    keep one compiled graph per *variant* (batch bucket, buffer capacity, K; see
-    ``graph_key``) in an LRU of ``max_graphs`` entries. Sampling settings are device values,
-    so they never select a graph.
+    keep one compiled graph per *variant* (batch bucket, buffer capacity, K, greedy or
+    sampling; see ``graph_key``) in an LRU of ``max_graphs`` entries. Sampling settings
+    (temperature, top-k, top-p, penalties, EOS ids) are device values: they never select a graph.
     """
 
     def __init__(self, model, draft, config: SpecConfig):
@@ -145,15 +145,16 @@ class SpeculativeGenerator:
         return f"SpeculativeGenerator(target={type(self.model).__name__}, drafter={self.drafter.name}, K={k}, {mode})"
 
     # ----------------------------------------------------------------- graphs
-    def _prefill_impl(self, ids, collect: bool):
-        return prefill_step(self.target_runner, self.drafter, self.state, ids, self.vocab, collect)
+    def _prefill_impl(self, ids, sample: bool, collect: bool):
+        return prefill_step(self.target_runner, self.drafter, self.state, ids, self.vocab, sample, collect)
 
-    def _round_impl(self, k: int, collect: bool):
-        return round_step(self.target_runner, self.drafter, self.state, k, self.vocab, collect)
+    def _round_impl(self, k: int, sample: bool, collect: bool):
+        return round_step(self.target_runner, self.drafter, self.state, k, self.vocab, sample, collect)
 
     def graph_key(self, kind: str, *extra) -> tuple:
         """The variant a compiled graph serves: ``(kind, batch bucket, capacity, *extra)``
-        (extra: K and collect for a round; prompt bucket and collect for a prefill)."""
+        (extra: K, sampling and collect for a round; prompt bucket, sampling and collect for a
+        prefill)."""
         return (kind, *self._shape, *extra)
 
     def _variant(self, kind: str, *extra) -> Callable:
@@ -200,14 +201,14 @@ class SpeculativeGenerator:
         if code is not None:
             release_code(code)
 
-    def round_fn(self, k: int | None = None, collect: bool = False) -> Callable:
+    def round_fn(self, k: int | None = None, sample: bool = False, collect: bool = False) -> Callable:
         """One round of the allocated state (after a ``generate()`` call) as a callable
         returning ``(tokens [B, K+1], n_emitted [B])``; for benchmarks. K defaults to the
-        largest K."""
+        largest K; ``sample`` chooses the sampling round (greedy by default)."""
         if self.state is None:
             raise RuntimeError("round_fn(): no state yet; call generate() once first.")
         k = self.k if k is None else k
-        return lambda: self._variant("round", k, collect)(k, collect)
+        return lambda: self._variant("round", k, sample, collect)(k, sample, collect)
 
     @property
     def _round_fn(self) -> Callable:
@@ -321,7 +322,8 @@ class SpeculativeGenerator:
         steps = [] if collect else None  # per round: (scores, logits [B, T, V], n_emitted [B])
 
         start = time.monotonic()
-        first = self._variant("prefill", bucket, collect)(ids, collect)
+        sample = req.sampling.do_sample
+        first = self._variant("prefill", bucket, sample, collect)(ids, sample, collect)
         if collect:
             first, scores, logits = first
             steps.append((scores[:batch].clone(), logits[:batch].clone(), torch.ones(batch, dtype=torch.long)))
@@ -345,9 +347,9 @@ class SpeculativeGenerator:
             if auto is not None:
                 k = auto.k
                 auto.history.append(k)
-            round_fn = self._variant("round", k, collect)
+            round_fn = self._variant("round", k, sample, collect)
             for _ in range(min(self.spec_config.rounds_per_sync, rounds_left)):
-                result = round_fn(k, collect)
+                result = round_fn(k, sample, collect)
                 out, n = result[0][:batch], result[1][:batch]
                 rounds_left -= 1
                 if collect:

@@ -40,7 +40,7 @@ class RoundState:
     seen: torch.Tensor  # [B, V] int32, occurrences of each token (repetition penalty)
     seed: torch.Tensor  # [] int64
     counter: torch.Tensor  # [] int64, rounds run (the random stream's counter)
-    values: dict  # 0-dim tensors: do_sample, temperature, top_k, top_p, penalty, min_new
+    values: dict  # 0-dim tensors: temperature, top_k, top_p, penalty, min_new
     eos_ids: torch.Tensor  # [E] int64, EOS ids then -1 (unused entries); E fixed (EOS_SLOTS)
     live: torch.Tensor  # [B] bool, False for the inert rows that pad a batch to its bucket
     invalid: torch.Tensor  # [B] bool, sampling met a NaN/inf distribution (read with finished)
@@ -58,7 +58,6 @@ class RoundState:
             return torch.zeros(shape, dtype=dtype, device=device)
 
         values = {
-            "do_sample": z(dtype=torch.bool),
             "temperature": z(dtype=torch.float32),
             "top_k": z(),
             "top_p": z(dtype=torch.float32),
@@ -100,13 +99,13 @@ class RoundState:
 class RoundContext:
     """What a drafter and the verifier share inside one round (or prefill)."""
 
-    def __init__(self, state: RoundState, k: int, vocab: int):
+    def __init__(self, state: RoundState, k: int, vocab: int, sample: bool):
         self.state = state
         self.k = k
         self.vocab = vocab
+        self.sample = sample  # sampling or greedy: a graph constant (one graph per mode)
         self.tokens = state.tokens
         self.lengths = state.lengths
-        self.do_sample = state.values["do_sample"]  # [] bool tensor (a device value, never branched on)
         self._block: torch.Tensor | None = None  # [B, 2K+2, V] uniforms of this round, made on first use
 
     def uniform(self, stream: int, shape) -> torch.Tensor:
@@ -143,18 +142,19 @@ class RoundContext:
         index = offsets.view(1, t, 1)
         for j, d in enumerate(drafted[: first + t - 1]):  # d_j counts at positions after j
             presence = presence | ((vocab_ids == d.unsqueeze(-1)) & (index > j))  # [B, T, V]
-        return process_logits(logits, s.values, presence, gen_index, s.eos_ids)
+        return process_logits(logits, s.values, presence, gen_index, s.eos_ids, warpers=self.sample)
 
-    def choose(self, scores: torch.Tensor, stream: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def choose(self, scores: torch.Tensor, stream: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The next token from processed ``scores [B, T, V]``: sampled from their softmax when
-        sampling, else their argmax (selected on the device). Returns ``(token [B, T], probs
-        [B, T, V])``; probs is what a sampled token was drawn from (q for a drafter)."""
+        sampling, else their argmax. Returns ``(token [B, T], probs [B, T, V] or None)``; probs
+        is what a sampled token was drawn from (q for a drafter), None when greedy."""
+        if not self.sample:
+            return scores.argmax(dim=-1), None
         probs = scores.softmax(dim=-1)
-        sampled = sample_from(probs, self.uniform(stream, probs.shape))
-        return torch.where(self.do_sample, sampled, scores.argmax(dim=-1)), probs
+        return sample_from(probs, self.uniform(stream, probs.shape)), probs
 
 
-def prefill_step(target, drafter, state: RoundState, ids: torch.Tensor, vocab: int, collect: bool = False):
+def prefill_step(target, drafter, state: RoundState, ids: torch.Tensor, vocab: int, sample: bool, collect: bool = False):
     """Prefill target and drafter on the prompt and choose the first new token.
 
     ``ids [B, P]`` is the prompt left-padded to a bucket length P (so every row's last real
@@ -181,13 +181,16 @@ def prefill_step(target, drafter, state: RoundState, ids: torch.Tensor, vocab: i
     s.seen.zero_()
     s.seen.scatter_add_(1, ids, real.int())
     s.counter.zero_()
-    ctx = RoundContext(s, 0, vocab)
+    ctx = RoundContext(s, 0, vocab, sample)
     # gen_index of the first token is 0: process() predicts lengths + 1 + first - prompt_len
     s.lengths.copy_(s.prompt_lengths - 1)
     scores = ctx.process(logits, 0, [])  # [B, 1, V]
     first, probs = ctx.choose(scores, _STREAM_PREFILL)
     first = first[:, 0]  # [B]
-    s.invalid.copy_(ctx.do_sample & s.live & probs[:, 0].isnan().any(dim=-1))
+    if sample:
+        s.invalid.copy_(s.live & probs[:, 0].isnan().any(dim=-1))
+    else:
+        s.invalid.zero_()
     s.lengths.copy_(s.prompt_lengths)
     s.tokens.scatter_(1, s.lengths.unsqueeze(1), first.unsqueeze(1))
     s.seen.scatter_add_(1, first.unsqueeze(1), torch.ones_like(first, dtype=torch.int32).unsqueeze(1))
@@ -202,7 +205,7 @@ def prefill_step(target, drafter, state: RoundState, ids: torch.Tensor, vocab: i
     return first
 
 
-def round_step(target, drafter, state: RoundState, k: int, vocab: int, collect: bool = False):
+def round_step(target, drafter, state: RoundState, k: int, vocab: int, sample: bool, collect: bool = False):
     """One speculative round for every row; finished rows are carried along unchanged.
 
     Returns:
@@ -213,7 +216,7 @@ def round_step(target, drafter, state: RoundState, k: int, vocab: int, collect: 
     """
     s = state
     s.counter.add_(1)
-    ctx = RoundContext(s, k, vocab)
+    ctx = RoundContext(s, k, vocab, sample)
     active = ~s.finished
     lengths = s.lengths
 
@@ -224,16 +227,15 @@ def round_step(target, drafter, state: RoundState, k: int, vocab: int, collect: 
     verified = target.forward(ids, pos, pos, return_hidden=drafter.needs_hidden)
     logits, hidden = verified if drafter.needs_hidden else (verified, None)
     scores = ctx.process(logits, 0, list(proposals.split(1, dim=1)))
-    # Both acceptance rules run; the device value do_sample selects one (no graph per mode).
-    p = scores.softmax(dim=-1)
-    if q is None:  # a deterministic drafter: q is one-hot on its proposals
-        q = F.one_hot(proposals, vocab).to(p.dtype)
-    out_s, n_s = rejection_verify(
-        p, q, proposals, ctx.uniform(_STREAM_ACCEPT, proposals.shape), ctx.uniform(_STREAM_RESAMPLE, p.shape)
-    )
-    out_g, n_g = greedy_verify(scores, proposals)
-    out = torch.where(ctx.do_sample, out_s, out_g)
-    n_accepted = torch.where(ctx.do_sample, n_s, n_g)
+    if sample:
+        p = scores.softmax(dim=-1)
+        if q is None:  # a deterministic drafter: q is one-hot on its proposals
+            q = F.one_hot(proposals, vocab).to(p.dtype)
+        out, n_accepted = rejection_verify(
+            p, q, proposals, ctx.uniform(_STREAM_ACCEPT, proposals.shape), ctx.uniform(_STREAM_RESAMPLE, p.shape)
+        )
+    else:
+        out, n_accepted = greedy_verify(scores, proposals)
 
     # Truncate at the length limit and at the first EOS; freeze finished rows.
     idx = torch.arange(k + 1, device=ids.device).unsqueeze(0)
@@ -245,8 +247,8 @@ def round_step(target, drafter, state: RoundState, k: int, vocab: int, collect: 
     n = torch.where(active, n, 0)
     emitted = idx < n.unsqueeze(1)  # [B, K+1]
     out = torch.where(emitted, out, PLACEHOLDER)
-    # HF raises when it samples from a NaN distribution; flag it for the host's next read
-    s.invalid.copy_(s.invalid | (ctx.do_sample & (p.isnan().any(dim=-1) & emitted).any(dim=1)))
+    if sample:  # HF raises when it samples from a NaN distribution; flag it for the host's next read
+        s.invalid.copy_(s.invalid | (p.isnan().any(dim=-1) & emitted).any(dim=1))
 
     write = (lengths.unsqueeze(1) + 1 + idx).clamp(max=s.tokens.shape[1] - 1)
     s.tokens.scatter_(1, write, torch.where(emitted, out, s.tokens.gather(1, write)))

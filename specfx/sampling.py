@@ -37,9 +37,10 @@ _MASK32 = 0xFFFFFFFF
 class SamplingParams:
     """Resolved generation parameters, as HF resolves them (see ``generate_args``).
 
-    Every value lives in a device tensor of the round state (``RoundState.values``), so no
-    setting changes the compiled graph: greedy and sampling, with or without temperature,
-    top-k, top-p, repetition penalty or a minimum length, all run the same round graph.
+    Every value lives in a device tensor of the round state (``RoundState.values``); only
+    ``do_sample`` selects a graph (greedy rounds skip the warpers' sorts and the sampler, which
+    cost more than a small model's forward). Temperature, top-k, top-p, repetition penalty and
+    a minimum length never change a compiled graph.
     """
 
     do_sample: bool
@@ -56,7 +57,6 @@ class SamplingParams:
         no-ops in :func:`process_logits`)."""
         s = self.do_sample
         return {
-            "do_sample": s,
             "temperature": self.temperature if s else 1.0,
             "top_k": self.top_k if s else 0,
             "top_p": self.top_p if s else 1.0,
@@ -71,12 +71,14 @@ def process_logits(
     presence: torch.Tensor,  # [B, T, V] bool (or broadcastable): token already in the row's sequence
     gen_index: torch.Tensor,  # [B, T] int64: index among new tokens of the token predicted here
     eos_ids: torch.Tensor,  # [E] int64, -1 = unused entry
+    warpers: bool = True,
 ) -> torch.Tensor:
-    """Apply HF's processors and warpers, in HF's order, in float32 (as HF does).
+    """Apply HF's processors and, with ``warpers`` (sampling: HF warps only then), its warpers,
+    in HF's order, in float32 (as HF does).
 
     Every stage always runs with its value from ``values``; at its "off" value (penalty 1,
     min_new 0, temperature 1, top_k 0, top_p 1) a stage returns its input exactly, so one graph
-    serves every setting.
+    serves every setting of its mode.
     """
     scores = logits.float()
     v = scores.shape[-1]
@@ -87,6 +89,8 @@ def process_logits(
     is_eos = (vocab_ids.unsqueeze(0) == eos_ids.unsqueeze(1)).any(dim=0)  # [V]; -1 matches nothing
     too_early = (gen_index < values["min_new"]).unsqueeze(-1)  # [B, T, 1]
     scores = scores.masked_fill(too_early & is_eos, float("-inf"))
+    if not warpers:
+        return scores
     scores = scores / values["temperature"]
     # top-k: the kth largest via a sort, so k is a tensor; k = 0 (off) keeps all V
     top_k = values["top_k"]

@@ -158,7 +158,9 @@ def test_processors_match_transformers(params):
     expected = hf(history, logits.clone())
     presence = torch.zeros(b, v, dtype=torch.bool).scatter_(1, history, True).unsqueeze(1)
     values = {name: torch.tensor(value) for name, value in params.device_values().items()}
-    got = process_logits(logits.unsqueeze(1), values, presence, torch.zeros(b, 1, dtype=torch.long), torch.tensor([2]))
+    got = process_logits(
+        logits.unsqueeze(1), values, presence, torch.zeros(b, 1, dtype=torch.long), torch.tensor([2]), warpers=params.do_sample
+    )
     assert torch.equal(got[:, 0].isinf(), expected.isinf())
     finite = ~expected.isinf()
     assert torch.allclose(got[:, 0][finite], expected[finite], rtol=1e-6, atol=1e-6)
@@ -170,15 +172,16 @@ def _values(**overrides):
 
 
 def test_settings_off_are_exact_no_ops():
-    """One graph serves every setting only if each stage at its off value returns its input
-    bit for bit (greedy output must equal HF's exactly)."""
+    """One graph serves every setting of a mode only if each stage at its off value returns its
+    input bit for bit (greedy output must equal HF's exactly)."""
     torch.manual_seed(0)
     logits = torch.randn(2, 3, 40) * 5
     logits[0, 1, 7] = float("-inf")
     presence = torch.rand(2, 3, 40) > 0.5
     eos = torch.tensor([3, -1, -1, -1])
-    out = process_logits(logits, _values(), presence, torch.zeros(2, 3, dtype=torch.long), eos)
-    assert torch.equal(out, logits.float())
+    for warpers in (False, True):
+        out = process_logits(logits, _values(), presence, torch.zeros(2, 3, dtype=torch.long), eos, warpers=warpers)
+        assert torch.equal(out, logits.float())
 
 
 def test_min_new_tokens_masks_eos_only_early():

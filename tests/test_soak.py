@@ -6,7 +6,7 @@ prompt lengths (1..60, ragged within a batch), max_new_tokens (1..40) and every 
 setting. Checked: no call fails; greedy output equals HF's; sampled output equals an eager
 generator's with the same seed; after one pass over each class, replaying compiles nothing
 (``error_on_recompile``); the compiled graphs stay within the documented policy (one round
-graph per batch bucket at the current capacity, at most ``max_graphs``); resident memory is flat
+graph per batch bucket and mode at the current capacity, at most ``max_graphs``); resident memory is flat
 over the second half.
 """
 
@@ -79,8 +79,8 @@ def test_long_lived_generator_serves_a_mixed_workload(soak):
     for call, (batch, mode) in enumerate(CLASSES):
         _check(call, target, spec, eager, batch, mode, rng)
     compiled = len(spec.compile_events)
-    # the policy: one round graph per batch bucket at the current capacity
-    assert {e.key for e in spec.compile_events} == {("round", b, 512, 3, False) for b in (1, 2, 4)}
+    # the policy: one round graph per batch bucket and mode (greedy, sampling) at the current capacity
+    assert {e.key for e in spec.compile_events} == {("round", b, 512, 3, s, False) for b in (1, 2, 4) for s in (False, True)}
     assert len(spec._variants) <= spec.spec_config.max_graphs
 
     rss = []
@@ -104,9 +104,9 @@ def test_lru_policy_evicts_beyond_max_graphs(one_thread):
     for batch in (1, 2, 4, 1):
         ids = torch.randint(3, 128, (batch, 5), generator=torch.Generator().manual_seed(batch))
         assert torch.equal(spec.generate(ids, max_new_tokens=6), target.generate(ids, max_new_tokens=6))
-        codes.setdefault(batch, spec._codes[("round", batch, 256, 2, False)])
-    assert list(spec._variants) == [("round", 4, 256, 2, False), ("round", 1, 256, 2, False)]
+        codes.setdefault(batch, spec._codes[("round", batch, 256, 2, False, False)])
+    assert list(spec._variants) == [("round", 4, 256, 2, False, False), ("round", 1, 256, 2, False, False)]
     assert [e.key[1] for e in spec.compile_events] == [1, 2, 4, 1]  # batch 1 was evicted, then compiled again
     # what Dynamo compiled for an evicted variant is freed, not merely forgotten
     assert _debug_get_cache_entry_list(codes[2]) == [] and _debug_get_cache_entry_list(codes[1]) == []
-    assert len(_debug_get_cache_entry_list(spec._codes[("round", 1, 256, 2, False)])) == 1
+    assert len(_debug_get_cache_entry_list(spec._codes[("round", 1, 256, 2, False, False)])) == 1

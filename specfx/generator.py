@@ -210,10 +210,6 @@ class SpeculativeGenerator:
         k = self.k if k is None else k
         return lambda: self._variant("round", k, sample, collect)(k, sample, collect)
 
-    @property
-    def _round_fn(self) -> Callable:
-        return self.round_fn()
-
     def explain(self) -> str:
         """What was done to the model: the passes applied to each captured graph and its size."""
         lines = [repr(self)]

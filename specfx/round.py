@@ -23,7 +23,7 @@ EOS_SLOTS = 8
 # Random streams. A round draws all its uniforms from one block (one hash chain in the graph,
 # not one per draft step: the chains dominated compile time); each use takes its own slice.
 _STREAM_PREFILL = 0
-_STREAM_ROUND = 1
+_STREAM_ROUND = 999  # never a draft step's own stream (1 + i), whose fallback hashes directly
 _STREAM_ACCEPT = 1000
 _STREAM_RESAMPLE = 1001
 

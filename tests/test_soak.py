@@ -18,35 +18,14 @@ import pytest
 import torch
 
 import specfx
+from benchmarks.soak_compiles import CLASSES, MODES, REPLAYS, growing_request, soak_request
 from specfx.models.tiny import perturbed_copy, tiny_causal_lm
 
 pytestmark = [pytest.mark.compiled, pytest.mark.usefixtures("one_thread")]
 
-MODES = {
-    "greedy": {},
-    "greedy_penalty": dict(repetition_penalty=1.3, min_new_tokens=3),
-    "sample": dict(do_sample=True, temperature=0.8),
-    "top_k": dict(do_sample=True, top_k=20),
-    "top_p": dict(do_sample=True, top_p=0.9, repetition_penalty=1.2),
-}
-BATCHES = (1, 2, 3)
-CLASSES = [(b, m) for b in BATCHES for m in MODES]
-REPLAYS = 48  # after the first pass: 15 + 48 = 63 calls
-
-
 def _rss_mb() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096 / 2**20
-
-
-def _request(batch: int, rng: random.Random):
-    """A ragged left-padded batch: each row 1..60 real tokens."""
-    lengths = [rng.randint(1, 60) for _ in range(batch)]
-    width = max(lengths)
-    g = torch.Generator().manual_seed(rng.randint(0, 10**6))
-    ids = torch.randint(3, 128, (batch, width), generator=g)
-    mask = (torch.arange(width) >= (width - torch.tensor(lengths)).unsqueeze(1)).long()
-    return ids * mask, mask, rng.randint(1, 40)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +38,7 @@ def soak():
 
 
 def _check(call: int, target, spec, eager, batch: int, mode: str, rng: random.Random) -> None:
-    ids, mask, new = _request(batch, rng)
+    ids, mask, new = soak_request(batch, rng)
     kwargs = dict(attention_mask=mask, max_new_tokens=new, pad_token_id=0, **MODES[mode])
     torch.manual_seed(call)
     out = spec.generate(ids, **kwargs)
@@ -74,8 +53,8 @@ def test_long_lived_generator_serves_a_mixed_workload(soak):
     target, spec, eager = soak
     rng = random.Random(0)
     # a long first request grows the buffers once (capacity 512), before any graph compiles
-    ids = torch.randint(3, 128, (1, 100), generator=torch.Generator().manual_seed(5))
-    assert torch.equal(spec.generate(ids, max_new_tokens=150), target.generate(ids, max_new_tokens=150))
+    ids, _, new = growing_request()
+    assert torch.equal(spec.generate(ids, max_new_tokens=new), target.generate(ids, max_new_tokens=new))
     for call, (batch, mode) in enumerate(CLASSES):
         _check(call, target, spec, eager, batch, mode, rng)
     compiled = len(spec.compile_events)
@@ -110,3 +89,13 @@ def test_lru_policy_evicts_beyond_max_graphs(one_thread):
     # what Dynamo compiled for an evicted variant is freed, not merely forgotten
     assert _debug_get_cache_entry_list(codes[2]) == [] and _debug_get_cache_entry_list(codes[1]) == []
     assert len(_debug_get_cache_entry_list(spec._codes[("round", 1, 256, 2, False, False)])) == 1
+
+
+def test_each_compile_is_recorded_once_with_several_rounds_per_sync(one_thread):
+    """The host loop calls a new variant's callable once per round between syncs: the compile
+    used to be recorded (and logged) once per call."""
+    target = tiny_causal_lm("llama")
+    spec = specfx.speculate(target, draft="prompt_lookup", num_speculative_tokens=2, rounds_per_sync=3, backend="specfx_eager")
+    ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(spec.generate(ids, max_new_tokens=12), target.generate(ids, max_new_tokens=12))
+    assert [e.key for e in spec.compile_events] == [("round", 1, 256, 2, False, False)]

@@ -37,9 +37,18 @@ MODES = {
     "top_p": dict(do_sample=True, top_p=0.9, repetition_penalty=1.2),
 }
 CLASSES = [(b, m) for b in (1, 2, 3) for m in MODES]
+REPLAYS = 48  # after the first pass over CLASSES
 
 
-def _request(batch, rng):
+def growing_request():
+    """The first request: 100 + 150 tokens, so the buffers grow to 512 slots before any graph
+    compiles (``ids, attention_mask, max_new_tokens``)."""
+    return torch.randint(3, 128, (1, 100), generator=torch.Generator().manual_seed(5)), None, 150
+
+
+def soak_request(batch: int, rng: random.Random):
+    """A ragged left-padded batch ``(ids, attention_mask, max_new_tokens)``: each row 1..60 real
+    tokens, 1..40 new tokens."""
     lengths = [rng.randint(1, 60) for _ in range(batch)]
     width = max(lengths)
     ids = torch.randint(3, 128, (batch, width), generator=torch.Generator().manual_seed(rng.randint(0, 10**6)))
@@ -47,16 +56,16 @@ def _request(batch, rng):
     return ids * mask, mask, rng.randint(1, 40)
 
 
-def run(replays: int = 48) -> dict:
+def run(replays: int = REPLAYS) -> dict:
     import specfx
     from specfx.models.tiny import perturbed_copy, tiny_causal_lm
 
     target = tiny_causal_lm("llama")
     spec = specfx.speculate(target, draft=perturbed_copy(target, 0.03), num_speculative_tokens=3)
     rng = random.Random(0)
-    calls = [((1, "greedy"), (torch.randint(3, 128, (1, 100), generator=torch.Generator().manual_seed(5)), None, 150))]
-    calls += [(c, _request(c[0], rng)) for c in CLASSES]
-    calls += [(CLASSES[(7 * i) % len(CLASSES)], _request(CLASSES[(7 * i) % len(CLASSES)][0], rng)) for i in range(replays)]
+    calls = [((1, "greedy"), growing_request())]
+    calls += [(c, soak_request(c[0], rng)) for c in CLASSES]
+    calls += [(CLASSES[(7 * i) % len(CLASSES)], soak_request(CLASSES[(7 * i) % len(CLASSES)][0], rng)) for i in range(replays)]
     records = []
     for i, ((batch, mode), (ids, mask, new)) in enumerate(calls):
         before = len(spec.graphs)
@@ -92,7 +101,7 @@ def run(replays: int = 48) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", help="write the summary and every call's record here")
-    parser.add_argument("--replays", type=int, default=48)
+    parser.add_argument("--replays", type=int, default=REPLAYS)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--cache-dir", help="Inductor cache directory (default: a new empty one, so every "
                         "compile is cold); run twice with the same directory to measure a second, warm process")

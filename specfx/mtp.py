@@ -45,7 +45,7 @@ from .graph_utils import mark_static
 from .masks import check_attn_implementation, layer_pattern, to_format, visible_slots
 from .runner import ModelRunner
 
-__all__ = ["MTP", "has_mtp", "mtp_layer_count", "mtp_support", "random_mtp_layers"]
+__all__ = ["MTP", "has_mtp", "mtp_layer_count", "mtp_support", "random_mtp_layers", "save_with_mtp_layers"]
 
 def mtp_support():
     """transformers' ``MtpModel`` class, or None when this transformers has no MTP support
@@ -128,6 +128,21 @@ def random_mtp_layers(target, num_layers: int, std: float = 0.3, seed: int = 0):
             if p.dim() >= 2:
                 p.copy_(torch.randn(p.shape, generator=g) * std)
     return layers
+
+
+def save_with_mtp_layers(target, layers, directory) -> None:
+    """Save ``target`` to ``directory`` with ``layers`` (an ``MtpModel``) added to its
+    ``model.safetensors`` under ``mtp.``, the layout ``MtpModel.from_pretrained`` reads
+    (embedding and shared head are the target's, not saved twice). For tests and benchmarks."""
+    from safetensors.torch import load_file, save_file
+
+    target.save_pretrained(directory)
+    file = os.path.join(directory, "model.safetensors")
+    tensors = load_file(file)
+    for name, t in layers.state_dict().items():
+        if not name.startswith(("embed_tokens.", "shared_head.")):  # shared with the target
+            tensors["mtp." + name] = t.contiguous()
+    save_file(tensors, file, metadata={"format": "pt"})
 
 
 def _no_mtp_error(model, why: str) -> ValueError:

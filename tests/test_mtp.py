@@ -9,11 +9,9 @@ must be *exactly* HF's: the oracle test replays every round's committed prefix t
 own ``MtpModel.forward`` with a fresh ``MtpCache`` and compares the proposals.
 """
 
-import os
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, LogitsProcessorList
 
 import specfx
@@ -159,13 +157,7 @@ def mellum_checkpoint(tmp_path):
     """A Mellum checkpoint on disk whose model.safetensors also holds MTP weights under
     ``mtp.`` (the layout transformers' MtpModel.from_pretrained reads), loaded back."""
     target, layers = mtp_target("mellum", 1)
-    target.save_pretrained(tmp_path)
-    file = os.path.join(tmp_path, "model.safetensors")
-    tensors = load_file(file)
-    for name, t in layers.state_dict().items():
-        if not name.startswith(("embed_tokens.", "shared_head.")):  # shared with the target
-            tensors["mtp." + name] = t.contiguous()
-    save_file(tensors, file, metadata={"format": "pt"})
+    mtp_module.save_with_mtp_layers(target, layers, tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
     loaded.generation_config.pad_token_id = 0
     return loaded, layers

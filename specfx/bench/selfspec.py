@@ -94,25 +94,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 def random_mtp_checkpoint(directory: str):
     """A random Mellum-shaped MoE target with one random MTP layer, saved with its MTP weights
     (under ``mtp.``, where transformers' MtpModel.from_pretrained looks) and loaded back."""
-    from safetensors.torch import load_file, save_file
 
     from ..models.local import load_causal_lm
     from ..models.tiny import tiny_causal_lm
-    from ..mtp import random_mtp_layers
+    from ..mtp import random_mtp_layers, save_with_mtp_layers
 
     model = tiny_causal_lm(
         "mellum", vocab_size=512, num_layers=6, hidden_size=256, intermediate_size=704, num_attention_heads=4,
         num_key_value_heads=2, head_dim=64, moe_intermediate_size=256, max_positions=2048, sliding_window=64,
         layer_types=["sliding_attention", "full_attention"] * 3, num_mtp_layers=1, initializer_range=0.02,
     )  # fmt: skip
-    layers = random_mtp_layers(model, 1, std=0.02, seed=1)
-    model.save_pretrained(directory)
-    file = os.path.join(directory, "model.safetensors")
-    tensors = load_file(file)
-    for name, t in layers.state_dict().items():
-        if not name.startswith(("embed_tokens.", "shared_head.")):  # shared with the target
-            tensors["mtp." + name] = t.contiguous()
-    save_file(tensors, file, metadata={"format": "pt"})
+    save_with_mtp_layers(model, random_mtp_layers(model, 1, std=0.02, seed=1), directory)
     return load_causal_lm(directory, torch.float32, attn_implementation="sdpa")
 
 

@@ -92,6 +92,15 @@ class SlotCache(Cache):
         builds the causal mask from it; with explicit 4-D masks it is never asked)."""
         return self.query_offset
 
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every layer's KV at slots ``src [B, M]`` to ``dst [B, M]`` of the same rows, in
+        place (all reads before any write, so the two may overlap): a token tree's accepted
+        path moves from its scratch slots to the committed ones."""
+        for layer in self.layers:
+            if layer.is_initialized:
+                for buf in (layer.keys, layer.values):
+                    buf[self.rows, :, dst] = buf[self.rows, :, src]
+
     @property
     def trash_slot(self) -> int:
         return self.capacity - 1

@@ -39,6 +39,9 @@ class SpecConfig:
         max_graphs: compiled round/prefill graphs kept per generator (least recently used
             evicted first, with the memory they hold); a graph whose buffer capacity is
             outgrown is evicted at once.
+        tree: a token tree (:class:`specfx.TokenTree`, or a list of nodes such as
+            ``[(0,), (1,), (0, 0)]``) verified every round instead of a chain; it replaces
+            ``num_speculative_tokens`` (a tree that is a chain of K is exactly K). None: a chain.
     """
 
     num_speculative_tokens: int = 4
@@ -51,8 +54,18 @@ class SpecConfig:
     auto_k_cost: float | None = None
     compile_prefill: bool = False
     max_graphs: int = 16
+    tree: Any = None
 
     def __post_init__(self):
+        if self.tree is not None:
+            from .tree import TokenTree
+
+            if self.num_speculative_tokens == AUTO:
+                raise ValueError(
+                    "num_speculative_tokens='auto' chooses among chains of K; it cannot be combined with "
+                    "tree=. Pass a tree, or 'auto' without a tree."
+                )
+            object.__setattr__(self, "tree", TokenTree(self.tree))
         k = self.num_speculative_tokens
         if k != AUTO and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS):
             raise ValueError(

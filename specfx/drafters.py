@@ -70,6 +70,29 @@ class Drafter:
         from (None for a deterministic drafter: q is then one-hot on the proposal)."""
         raise NotImplementedError
 
+    # Token trees (specfx.tree): drafters that can branch set this and implement propose_tree.
+    supports_tree = False
+
+    def tree_refusal(self) -> str | None:
+        """Why this drafter cannot draft token trees, or None if it can."""
+        if self.supports_tree:
+            return None
+        return (
+            f"the {self.name} drafter drafts a chain only, not a token tree; use "
+            f"num_speculative_tokens=K without tree=, or a drafter that branches: a draft model, "
+            f"prompt lookup or early exit."
+        )
+
+    def propose_tree(self, ctx) -> torch.Tensor:
+        """A token for every node of ``ctx.token_tree``: ``[B, N]``, node n's in column n - 1.
+        Child ``r`` of a node must be a deterministic choice (the drafter's r-th most likely
+        token there): tree verification treats every proposal as one-hot."""
+        raise NotImplementedError
+
+    def commit_tree(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """After a tree round: move any per-row KV of the accepted path from slots ``src
+        [B, D]`` to ``dst [B, D]`` (see :meth:`specfx.cache.SlotCache.move`)."""
+
 
 def draft_token(ctx, logits: torch.Tensor, i: int, proposals: list, qs: list) -> torch.Tensor:
     """Proposal ``i`` of a round from draft ``logits [B, 1, V]``: processed like the target's
@@ -125,17 +148,43 @@ class DraftModel(Drafter):
         # Only the KV is needed; the unused logits are removed by the graph passes.
         self.runner.forward(ids, positions, slots)
 
-    def propose(self, ctx):
+    def _catch_up(self, ctx) -> torch.Tensor:
         lengths = ctx.lengths  # [B]
         pos = torch.stack([lengths - 1, lengths], dim=1)  # [B, 2]
         ids = ctx.tokens.gather(1, pos)  # [B, 2]: last committed token, pending token
-        first = self.runner.forward(ids, pos, pos)[:, -1:]  # [B, 1, V]
+        return self.runner.forward(ids, pos, pos)[:, -1:]  # [B, 1, V]
+
+    def propose(self, ctx):
+        lengths = ctx.lengths  # [B]
+        first = self._catch_up(ctx)
 
         def step(i, proposals):
             p = (lengths + i).unsqueeze(1)  # [B, 1], the position of proposal i - 1
             return self.runner.forward(proposals[-1], p, p)
 
         return draft_chain(ctx, first, step)
+
+    supports_tree = True
+
+    def propose_tree(self, ctx):
+        # Level by level: all nodes of one depth in one forward, each in its scratch slot
+        # L + n at position L + depth, seeing the committed prefix and its own ancestors.
+        from .tree_round import draft_tree, tree_view
+
+        lengths = ctx.lengths.unsqueeze(1)  # [B, 1]
+
+        def step(queries, tokens):
+            q = torch.tensor(queries, device=tokens.device)
+            positions = lengths + ctx.tree.depth[:, q]
+            return self.runner.forward(tokens[:, q], positions, lengths + q, tree=tree_view(ctx, queries))
+
+        return draft_tree(ctx, self._catch_up(ctx), step)
+
+    def tree_refusal(self) -> str | None:
+        return self.runner.tree_refusal()
+
+    def commit_tree(self, src, dst) -> None:
+        self.runner.cache.move(src, dst)
 
 
 def draft_chain(ctx, first_logits: torch.Tensor, step: Callable[[int, list], torch.Tensor]):

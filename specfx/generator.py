@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .auto_k import AutoK
-from .config import AUTO, SpecConfig
+from .config import AUTO, MAX_SPECULATIVE_TOKENS, SpecConfig
 from .drafters import resolve_drafter
 from .generate_args import GenerateRequest, resolve_generate_args
 from .graph_utils import fresh_code, release_code
@@ -22,6 +23,8 @@ from .passes.backend import GraphRecord, GraphRecords, make_backend
 from .round import RoundState, prefill_step, round_step
 from .runner import ModelRunner
 from .stats import SpecStats
+from .tree import TokenTree
+from .tree_round import tree_round_step
 
 __all__ = ["CompileEvent", "SpeculativeGenerator", "speculate"]
 
@@ -29,7 +32,14 @@ logger = logging.getLogger(__name__)
 
 
 def speculate(
-    model, draft=None, *, num_speculative_tokens: int | str = 4, compile: bool = True, backend="specfx", **options
+    model,
+    draft=None,
+    *,
+    num_speculative_tokens: int | str = 4,
+    tree=None,
+    compile: bool = True,
+    backend="specfx",
+    **options,
 ):
     """Wrap an HF causal LM for speculative generation.
 
@@ -43,6 +53,10 @@ def speculate(
             prompt lookup). ``spec.method`` names the choice.
         num_speculative_tokens: K, proposals per round, or "auto": K chosen per round from the
             measured acceptance among ``auto_k_values`` (one compiled round graph per value).
+        tree: verify a token tree instead of a chain of K: a :class:`specfx.TokenTree` or a list
+            of nodes in vLLM's convention (``[(0,), (1,), (0, 0)]``: each node a tuple of child
+            ranks from the pending token). Replaces ``num_speculative_tokens``. Drafters that
+            branch: a draft model, prompt lookup, early exit.
         compile: compile each round into one graph (True), or run it eagerly (False).
         backend: torch.compile backend for those graphs ("specfx", "specfx_eager", or any).
         **options: further :class:`SpecConfig` fields (rounds_per_sync, prefill_buckets, ...).
@@ -51,7 +65,9 @@ def speculate(
         A :class:`SpeculativeGenerator`, which behaves like ``model`` and whose ``generate()``
         takes ``model.generate()``'s arguments.
     """
-    config = SpecConfig(num_speculative_tokens=num_speculative_tokens, compile=compile, backend=backend, **options)
+    config = SpecConfig(
+        num_speculative_tokens=num_speculative_tokens, tree=tree, compile=compile, backend=backend, **options
+    )
     return SpeculativeGenerator(model, draft, config)
 
 
@@ -87,11 +103,22 @@ class SpeculativeGenerator:
         self.drafter = resolve_drafter(draft, model)
         self.drafter.bind(self.target_runner)
         self.spec_config = config
+        # a tree round, or None: a chain of K (a tree that is a short chain runs as that chain)
+        self.tree = config.tree
+        if self.tree is not None and self.tree.is_chain and self.tree.size <= MAX_SPECULATIVE_TOKENS:
+            config = dataclasses.replace(config, num_speculative_tokens=self.tree.size, tree=None)
+            self.spec_config, self.tree = config, None
+        if self.tree is not None:
+            for why in (self.target_runner.tree_refusal(), self.drafter.tree_refusal()):
+                if why is not None:
+                    raise ValueError(f"speculate(tree=...): {why}")
         self.auto_k = None  # AutoK for num_speculative_tokens="auto"; .history lists the Ks used
         if config.num_speculative_tokens == AUTO:
             cost = config.auto_k_cost
             self.auto_k = AutoK(config.k_values, self.drafter.proposal_cost(self.target_runner) if cost is None else cost)
-        self.k = max(config.k_values)  # state buffers fit the largest K
+        # proposals per round at most (buffers keep this many scratch slots past the pending token)
+        self.k = max(config.k_values) if self.tree is None else self.tree.size
+        self._positions = self.k if self.tree is None else self.tree.depth  # accepted per round at most
         self.vocab = self.target_runner.vocab_size
         self.state: RoundState | None = None
         self._shape: tuple[int, int] | None = None  # (batch bucket, capacity) of the allocated state
@@ -142,13 +169,16 @@ class SpeculativeGenerator:
     def __repr__(self) -> str:
         mode = f"compiled ({self.spec_config.backend})" if self.spec_config.compile else "eager"
         k = f"auto{self.spec_config.k_values}" if self.auto_k is not None else self.k
-        return f"SpeculativeGenerator(target={type(self.model).__name__}, drafter={self.drafter.name}, K={k}, {mode})"
+        shape = f"tree={self.tree.size} nodes, depth {self.tree.depth}" if self.tree is not None else f"K={k}"
+        return f"SpeculativeGenerator(target={type(self.model).__name__}, drafter={self.drafter.name}, {shape}, {mode})"
 
     # ----------------------------------------------------------------- graphs
     def _prefill_impl(self, ids, sample: bool, collect: bool):
         return prefill_step(self.target_runner, self.drafter, self.state, ids, self.vocab, sample, collect)
 
-    def _round_impl(self, k: int, sample: bool, collect: bool):
+    def _round_impl(self, k, sample: bool, collect: bool):
+        if isinstance(k, TokenTree):
+            return tree_round_step(self.target_runner, self.drafter, self.state, k, self.vocab, sample, collect)
         return round_step(self.target_runner, self.drafter, self.state, k, self.vocab, sample, collect)
 
     def graph_key(self, kind: str, *extra) -> tuple:
@@ -214,8 +244,12 @@ class SpeculativeGenerator:
         largest K; ``sample`` chooses the sampling round (greedy by default)."""
         if self.state is None:
             raise RuntimeError("round_fn(): no state yet; call generate() once first.")
-        k = self.k if k is None else k
+        k = self._round_shape() if k is None else k
         return lambda: self._variant("round", k, sample, collect)(k, sample, collect)
+
+    def _round_shape(self):
+        """What a round verifies by default: the tree, or K (the largest K for "auto")."""
+        return self.tree if self.tree is not None else self.k
 
     def explain(self) -> str:
         """What was done to the model: the passes applied to each captured graph and its size."""
@@ -264,7 +298,7 @@ class SpeculativeGenerator:
         try:
             self.target_runner.allocate(batch, cap)
             self.drafter.allocate(batch, cap)
-            state = RoundState.allocate(batch, cap, self.vocab, self.k, self.device)
+            state = RoundState.allocate(batch, cap, self.vocab, self._positions, self.device)
         except BaseException:
             self._signature = None  # nothing half-allocated is ever used
             raise
@@ -343,7 +377,7 @@ class SpeculativeGenerator:
             self._apply_criteria(req, host_tokens, stop_at, 0)
 
         rounds_left = req.max_new_tokens  # every round emits >= 1 token per active row
-        auto, k = self.auto_k, self.k
+        auto, k = self.auto_k, self._round_shape()
         if auto is not None:
             auto.reset()
         while rounds_left > 0 and not self._sync_finished():

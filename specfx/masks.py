@@ -15,12 +15,15 @@ expects is declared in :data:`MASK_FORMATS`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 __all__ = [
     "ATTENTION_LAYER_TYPES",
     "MASK_FORMATS",
     "MaskPlan",
+    "TreeView",
     "build_mask",
     "check_attn_implementation",
     "layer_pattern",
@@ -54,14 +57,14 @@ class MaskPlan:
         self.single = single
         self.by_type = by_type
 
-    def build(self, positions: torch.Tensor, capacity: int, fmt: str, dtype: torch.dtype):
+    def build(self, positions: torch.Tensor, capacity: int, fmt: str, dtype: torch.dtype, tree: TreeView | None = None):
         if self.by_type is None:
-            return build_mask(positions, capacity, fmt, dtype, self.single)
+            return build_mask(positions, capacity, fmt, dtype, self.single, tree)
         built: dict[Pattern, torch.Tensor] = {}
         masks = {}
         for layer_type, pattern in self.by_type.items():
             if pattern not in built:
-                built[pattern] = build_mask(positions, capacity, fmt, dtype, pattern)
+                built[pattern] = build_mask(positions, capacity, fmt, dtype, pattern, tree)
             masks[layer_type] = built[pattern]
         return masks
 
@@ -128,17 +131,49 @@ def check_attn_implementation(model) -> str:
     return impl
 
 
-def visible_slots(positions: torch.Tensor, capacity: int, pattern: Pattern = ("full", None)) -> torch.Tensor:
+@dataclass
+class TreeView:
+    """What a forward over token-tree nodes needs to build its mask (see :mod:`specfx.tree`):
+    node ``n`` of a row sits in slot ``lengths + n`` at position ``lengths + depth[n]``, and
+    query ``t`` of the forward is node ``queries[t]``."""
+
+    lengths: torch.Tensor  # [B] int64, the root's slot and position (the pending token)
+    depth: torch.Tensor  # [R, N+1] int64, R = 1 or B
+    ancestors: torch.Tensor  # [R, N+1, N+1] bool, ancestor-or-self
+    queries: tuple[int, ...]  # node index of each query column
+
+
+def visible_slots(
+    positions: torch.Tensor, capacity: int, pattern: Pattern = ("full", None), tree: TreeView | None = None
+) -> torch.Tensor:
     """``positions [B, T]`` -> bool ``[B, 1, T, capacity]``: slot j visible iff j <= p and j is
-    inside p's window/chunk."""
+    inside p's window/chunk.
+
+    With ``tree``, slots ``L+1 .. L+N`` hold the round's tree nodes rather than positions: a
+    query (a node) sees the committed slots ``0..L`` and the slots of its own ancestors (and
+    itself), and windows/chunks are measured on the *positions* of those keys (``L + depth``)."""
     slots = torch.arange(capacity, device=positions.device).view(1, 1, 1, capacity)
     pos = positions.unsqueeze(1).unsqueeze(-1)  # [B, 1, T, 1]
-    visible = slots <= pos
+    if tree is None:
+        key_pos = slots
+        visible = slots <= pos
+    else:
+        b, n = positions.shape[0], tree.depth.shape[1] - 1
+        lengths = tree.lengths.view(b, 1)
+        rel = slots.view(1, capacity) - lengths  # [B, C], node index of a tree slot
+        in_tree = (rel >= 1) & (rel <= n)
+        node = rel.clamp(0, n)
+        key_pos = torch.where(in_tree, lengths + tree.depth.expand(b, -1).gather(1, node), slots.view(1, capacity))
+        queries = torch.tensor(tree.queries, device=positions.device)
+        anc = tree.ancestors.expand(b, -1, -1)[:, queries]  # [B, T, N+1]
+        is_anc = anc.gather(2, node.unsqueeze(1).expand(-1, len(tree.queries), -1))  # [B, T, C]
+        visible = torch.where(in_tree.unsqueeze(1), is_anc, rel.unsqueeze(1) <= 0).unsqueeze(1)  # [B, 1, T, C]
+        key_pos = key_pos.view(b, 1, 1, capacity)
     kind, size = pattern
     if kind == "sliding":
-        visible = visible & (slots > pos - size)
+        visible = visible & (key_pos > pos - size)
     elif kind == "chunked":
-        visible = visible & (slots // size == pos // size)
+        visible = visible & (key_pos // size == pos // size)
     return visible
 
 
@@ -152,8 +187,13 @@ def to_format(visible: torch.Tensor, fmt: str, dtype: torch.dtype) -> torch.Tens
 
 
 def build_mask(
-    positions: torch.Tensor, capacity: int, fmt: str, dtype: torch.dtype, pattern: Pattern = ("full", None)
+    positions: torch.Tensor,
+    capacity: int,
+    fmt: str,
+    dtype: torch.dtype,
+    pattern: Pattern = ("full", None),
+    tree: TreeView | None = None,
 ) -> torch.Tensor:
     """``positions [B, T]`` -> mask ``[B, 1, T, capacity]`` in format ``fmt``: slot j visible
-    iff j <= p and j is inside p's window/chunk (:func:`visible_slots`)."""
-    return to_format(visible_slots(positions, capacity, pattern), fmt, dtype)
+    iff j <= p and j is inside p's window/chunk, or per ``tree`` (:func:`visible_slots`)."""
+    return to_format(visible_slots(positions, capacity, pattern, tree), fmt, dtype)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from .graph_utils import mark_static
 from .sampling import PLACEHOLDER, greedy_verify, process_logits, rejection_verify, sample_from, uniform
+from .tree import TokenTree
 
 __all__ = ["EOS_SLOTS", "RoundState", "RoundContext", "prefill_step", "round_step"]
 
@@ -99,9 +100,11 @@ class RoundState:
 class RoundContext:
     """What a drafter and the verifier share inside one round (or prefill)."""
 
-    def __init__(self, state: RoundState, k: int, vocab: int, sample: bool):
+    def __init__(self, state: RoundState, k: int, vocab: int, sample: bool, tree: TokenTree | None = None):
         self.state = state
-        self.k = k
+        self.k = k  # proposals this round (a tree's node count)
+        self.token_tree = tree  # the round's TokenTree (None: a chain of K)
+        self.tree = tree.tensors(state.tokens.device) if tree is not None else None  # its TreeTensors
         self.vocab = vocab
         self.sample = sample  # sampling or greedy: a graph constant (one graph per mode)
         self.tokens = state.tokens
@@ -142,6 +145,23 @@ class RoundContext:
         index = offsets.view(1, t, 1)
         for j, d in enumerate(drafted[: first + t - 1]):  # d_j counts at positions after j
             presence = presence | ((vocab_ids == d.unsqueeze(-1)) & (index > j))  # [B, T, V]
+        return process_logits(logits, s.values, presence, gen_index, s.eos_ids, warpers=self.sample)
+
+    def process_nodes(self, logits: torch.Tensor, queries: tuple[int, ...], tokens: torch.Tensor) -> torch.Tensor:
+        """Processed scores for ``logits [B, T, V]`` at the token-tree nodes ``queries`` (each
+        predicting its children): a node at depth d predicts position ``lengths + 1 + d``, and
+        the tokens on its path (``tokens [B, N+1]``: the pending token, then the nodes) count
+        as generated for the repetition penalty."""
+        s, tree = self.state, self.tree
+        b, t, v = logits.shape
+        q = torch.tensor(queries, device=logits.device)
+        depth = tree.depth.expand(b, -1)[:, q]  # [B, T]
+        gen_index = (s.lengths + 1 - s.prompt_lengths).unsqueeze(1) + depth
+        path = tree.path.expand(b, -1, -1)[:, q, 1:]  # [B, T, D]: ancestors at depths 1..D
+        on_path = torch.arange(1, tree.max_depth + 1, device=logits.device) <= depth.unsqueeze(-1)
+        path_tokens = tokens.gather(1, path.reshape(b, -1)).view(path.shape)
+        drafted = torch.zeros((b, t, v), dtype=torch.int32, device=logits.device).scatter_add_(2, path_tokens, on_path.int())
+        presence = (s.seen > 0).unsqueeze(1) | (drafted > 0)
         return process_logits(logits, s.values, presence, gen_index, s.eos_ids, warpers=self.sample)
 
     def choose(self, scores: torch.Tensor, stream: int) -> tuple[torch.Tensor, torch.Tensor | None]:

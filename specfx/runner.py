@@ -9,7 +9,7 @@ from transformers import PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from .cache import SlotCache
-from .masks import check_attn_implementation, mask_plan
+from .masks import TreeView, check_attn_implementation, mask_plan
 from .probe import compare, full_logits, incremental_logits, probe_capacity, probe_length, probe_tokens
 
 __all__ = ["ModelRunner", "check_causal_lm"]
@@ -175,20 +175,41 @@ class ModelRunner:
         with torch.no_grad():
             self.forward(zeros, zeros, torch.full_like(zeros, self.cache.trash_slot))
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, return_hidden: bool = False):
+    def forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        return_hidden: bool = False,
+        tree: TreeView | None = None,
+    ):
         """ids, positions, slots ``[B, T]`` -> logits ``[B, T, V]``; writes KV at ``slots``.
         With ``return_hidden``: ``(logits, hidden [B, T, H])``, the last hidden state (after the
         final norm, HF's ``output_hidden_states[-1]``), for drafters that read it (MTP).
+        With ``tree``: the tokens are token-tree nodes, and each sees the committed prefix and
+        its own ancestors only (:func:`specfx.masks.visible_slots`).
 
         Positions are clamped to the model's range: only uncommitted padding ever exceeds it,
         and an out-of-range learned position embedding would fault inside a kernel.
         """
         cache = self.cache
         if self.protocol == "rowwise_2d":
+            if tree is not None:
+                raise ValueError(self.tree_refusal())
             return self._forward_rowwise(ids, positions, slots, return_hidden)
         cache.slots = slots
-        mask = self.mask_plan.build(positions, cache.capacity, self.mask_format, self.dtype)
+        mask = self.mask_plan.build(positions, cache.capacity, self.mask_format, self.dtype, tree)
         return self._call(ids, mask, positions, return_hidden)
+
+    def tree_refusal(self) -> str | None:
+        """Why this model cannot verify token trees, or None if it can."""
+        if self.protocol == "rowwise_2d":
+            return (
+                f"{self.role} ({type(self.model).__name__}) needs a 2-D padding mask (specfx drives it "
+                f"row by row, letting transformers build its causal mask), so its attention cannot be "
+                f"given a token tree's mask; use a chain (num_speculative_tokens=K, no tree=)."
+            )
+        return None
 
     def _call(self, ids, mask, positions, return_hidden):
         if self.max_positions is not None:

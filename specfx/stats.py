@@ -22,7 +22,8 @@ class SpecStats:
         emitted: tokens committed by rounds (accepted + correction/bonus, after truncation);
             the first token, sampled by prefill, is not included.
         row_rounds: rounds counted once per row that was active in them.
-        per_position: ``per_position[i]`` = how often proposal i (0-based) was accepted.
+        per_position: ``per_position[i]`` = how often proposal i (0-based) was accepted; with a
+            token tree, how often a node at depth i + 1 was (also :attr:`per_depth`).
         per_row_accepted / per_row_proposed: the same counts per batch row (last call only).
     """
 
@@ -50,6 +51,12 @@ class SpecStats:
         """Acceptance rate of proposal i given rounds (row-rounds) — a decreasing curve. With
         ``num_speculative_tokens="auto"`` rounds with a K <= i count as misses for position i."""
         return [a / self.row_rounds if self.row_rounds else 0.0 for a in self.per_position]
+
+    @property
+    def per_depth(self) -> list[int]:
+        """``per_depth[i]``: rounds (per row) whose accepted path reached depth i + 1 (a chain's
+        depth i + 1 is its proposal i)."""
+        return self.per_position
 
     def merge(self, other: SpecStats) -> None:
         self.rounds += other.rounds

@@ -1,0 +1,203 @@
+"""The token-tree round: draft a tree, verify every node in one target forward, walk it.
+
+Same contract as :func:`specfx.round.round_step` (fixed shapes, no host sync, per-row
+progress, finished rows carried along), with a :class:`~specfx.tree.TokenTree` of N nodes and
+depth D in place of a chain of K:
+
+1. the drafter proposes a token for every node (child ``r`` of a node is the drafter's
+   ``r``-th most likely token there: deterministic, so q is one-hot per child);
+2. one target forward over ``[pending, node 1, ..., node N]``: node ``n`` at position
+   ``L + depth[n]``, written to scratch slot ``L + n``, seeing the committed prefix and its own
+   ancestors (:func:`specfx.masks.visible_slots`);
+3. the walk (:func:`tree_accept`) from the root picks the accepted path and the token after
+   it;
+4. the accepted path's KV moves from its scratch slots to the committed slots
+   ``L + 1 .. L + m`` (target and drafter caches), so every cache is what it would be had the
+   model seen only the emitted tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .masks import TreeView
+from .sampling import PLACEHOLDER, _emit, sample_from, uniform
+from .tree import TokenTree, TreeTensors
+
+__all__ = ["draft_tree", "tree_accept", "tree_round_step"]
+
+_STREAM_TREE_ACCEPT = 1002
+_STREAM_TREE_RESIDUAL = 1003
+
+
+def draft_tree(ctx, root_logits: torch.Tensor, step) -> torch.Tensor:
+    """Fill every node of ``ctx.token_tree`` level by level: the children of the nodes at depth
+    ``d`` are the top-ranked tokens of their processed draft scores. ``root_logits [B, 1, V]``
+    are the draft's logits at the pending token; ``step(queries, tokens) -> logits [B, T, V]``
+    runs the drafter on the nodes ``queries`` (indices 1..N of one depth, those with children)
+    given ``tokens [B, N+1]`` (the pending token, then the nodes drafted so far; 0 elsewhere).
+    Returns the node tokens ``[B, N]``."""
+    tree = ctx.token_tree
+    parents, ranks = tree.parents, tree.ranks
+    pending = ctx.tokens.gather(1, ctx.lengths.unsqueeze(1))  # [B, 1]
+    columns: list[torch.Tensor | None] = [pending] + [None] * tree.size
+    zero = torch.zeros_like(pending)
+
+    def expand(queries: tuple[int, ...], logits: torch.Tensor) -> None:
+        tokens = torch.cat([c if c is not None else zero for c in columns], dim=1)
+        scores = ctx.process_nodes(logits, queries, tokens)  # [B, T, V]
+        children = [[m for m in range(1, tree.size + 1) if parents[m] == q] for q in queries]
+        width = 1 + max(ranks[m - 1] for kids in children for m in kids)
+        top = scores.topk(width, dim=-1).indices  # [B, T, width]
+        for t, kids in enumerate(children):
+            for m in kids:
+                columns[m] = top[:, t, ranks[m - 1] : ranks[m - 1] + 1]
+
+    expand((0,), root_logits)
+    for d in range(1, tree.depth):
+        queries = tuple(n for n in tree.level(d) if tree.has_children(n))
+        if queries:
+            expand(queries, step(queries, torch.cat([c if c is not None else zero for c in columns], dim=1)))
+    return torch.cat(columns[1:], dim=1)
+
+
+def tree_view(ctx, queries: tuple[int, ...]) -> TreeView:
+    """The mask description of a forward over the nodes ``queries`` of this round's tree."""
+    t = ctx.tree
+    return TreeView(ctx.lengths, t.depth, t.ancestors, queries)
+
+
+def tree_accept(
+    scores: torch.Tensor,  # [B, N+1, V] processed target scores at the root and every node
+    tokens: torch.Tensor,  # [B, N+1] the pending token, then the node tokens
+    tree: TreeTensors,
+    sample: bool,
+    u_accept: torch.Tensor | None = None,  # [B, N] uniforms, one per node (sampling)
+    u_residual: torch.Tensor | None = None,  # [B, V] uniforms (sampling)
+):
+    """Walk the tree from the root; returns ``(stop [B], last [B], probs [B, N+1, V] | None)``:
+    the deepest accepted node (0 = none accepted), the token emitted after the accepted path,
+    and the target's probabilities (sampling).
+
+    Greedy: at each node take the first child (in rank order) equal to the target's argmax
+    there; ``last`` is the argmax at the stop node.
+
+    Sampling (multi-candidate speculative sampling with one-hot proposals, as in SpecInfer):
+    at a node with target distribution p, try its children in order; child c is accepted with
+    probability p'(c), where p' is p with the children rejected so far at this node set to 0
+    and renormalised; after an acceptance the walk continues at c with c's own distribution.
+    If every child is rejected (or the node is a leaf) ``last`` is sampled from p' (p with
+    all of the node's children removed). Each token's total probability at a node is then
+    exactly p(token): c1 is emitted with p(c1); c2 with (1 - p(c1)) * p(c2) / (1 - p(c1)); and
+    a token that is no child with (1 - sum p(children)) * p(x) / (1 - sum p(children)).
+    A token proposed twice under one node is rejected on its second try (p' is 0 there).
+
+    The walk is one pass over the nodes in index order: node n is tried iff its parent is the
+    current node, which holds because parents precede children and siblings are in rank order.
+    """
+    b, n1, v = scores.shape
+    parent = tree.parent.expand(b, -1)[:, 1:]  # [B, N]
+    node_tokens = tokens[:, 1:]  # [B, N]
+    cur = torch.zeros(b, dtype=torch.long, device=scores.device)
+    if not sample:
+        best = scores.argmax(dim=-1)  # [B, N+1]
+        hit = node_tokens == best.gather(1, parent)  # [B, N]
+        for n in range(1, n1):
+            cur = torch.where((parent[:, n - 1] == cur) & hit[:, n - 1], n, cur)
+        return cur, best.gather(1, cur.unsqueeze(1)).squeeze(1), None
+    p = scores.softmax(dim=-1)  # [B, N+1, V]
+    p_node = p.reshape(b, n1 * v).gather(1, parent * v + node_tokens)  # [B, N]: p(token) at its parent
+    earlier = torch.ones(n1 - 1, n1 - 1, dtype=torch.bool, device=scores.device).tril(-1)
+    dup = ((parent.unsqueeze(2) == parent.unsqueeze(1)) & (node_tokens.unsqueeze(2) == node_tokens.unsqueeze(1)) & earlier).any(-1)
+    p_node = torch.where(dup, 0.0, p_node)
+    rejected = torch.zeros(b, dtype=p.dtype, device=scores.device)  # mass rejected at the current node
+    for n in range(1, n1):
+        tried = parent[:, n - 1] == cur
+        pn = p_node[:, n - 1]
+        accept = tried & (u_accept[:, n - 1] * (1 - rejected) < pn)  # u < p(c) / (1 - rejected), strict
+        cur = torch.where(accept, n, cur)
+        rejected = torch.where(accept, 0.0, torch.where(tried, rejected + pn, rejected))
+    at_stop = p.gather(1, cur.view(b, 1, 1).expand(b, 1, v)).squeeze(1)  # [B, V]
+    kids = (parent == cur.unsqueeze(1)).to(p.dtype)  # [B, N]: all tried and rejected
+    removed = torch.zeros_like(at_stop).scatter_add(1, node_tokens, kids) > 0
+    residual = at_stop.masked_fill(removed, 0.0)
+    # rounding can leave nothing (the children held all the mass): then no child was rejected
+    # in exact arithmetic, and sampling p changes no probability
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, at_stop)
+    return cur, sample_from(residual, u_residual), p
+
+
+def tree_round_step(target, drafter, state, tree: TokenTree, vocab: int, sample: bool, collect: bool = False):
+    """One token-tree round for every row (see the module docstring).
+
+    Returns tokens ``[B, D+1]`` (emitted, PLACEHOLDER past ``n_emitted``) and n_emitted ``[B]``;
+    with ``collect`` also the processed scores and raw logits each emitted token was chosen
+    from, ``[B, D+1, V]`` each (the root's, then the accepted path's nodes').
+    """
+    from .round import RoundContext  # round.py imports this module's step
+
+    s = state
+    s.counter.add_(1)
+    ctx = RoundContext(s, tree.size, vocab, sample, tree=tree)
+    tt = ctx.tree
+    n, d = tree.size, tree.depth
+    b = s.tokens.shape[0]
+    active = ~s.finished
+    lengths = s.lengths
+
+    proposals = drafter.propose_tree(ctx)  # [B, N]
+    pending = s.tokens.gather(1, lengths.unsqueeze(1))  # [B, 1]
+    ids = torch.cat([pending, proposals], dim=1)  # [B, N+1]
+    nodes = tuple(range(n + 1))
+    pos = lengths.unsqueeze(1) + tt.depth  # [B, N+1]
+    slots = lengths.unsqueeze(1) + torch.arange(n + 1, device=ids.device)  # [B, N+1]
+    logits = target.forward(ids, pos, slots, tree=tree_view(ctx, nodes))
+    scores = ctx.process_nodes(logits, nodes, ids)
+    u_accept = u_residual = None
+    if sample:
+        u_accept = uniform(s.seed, s.counter, _STREAM_TREE_ACCEPT, (b, n))
+        u_residual = uniform(s.seed, s.counter, _STREAM_TREE_RESIDUAL, (b, vocab))
+    stop, last, p = tree_accept(scores, ids, tt, sample, u_accept, u_residual)
+    path = tt.path.expand(b, -1, -1).gather(1, stop.view(b, 1, 1).expand(b, 1, d + 1)).squeeze(1)  # [B, D+1]
+    n_accepted = tt.depth.expand(b, -1).gather(1, stop.unsqueeze(1)).squeeze(1)  # [B]
+    out = _emit(ids.gather(1, path)[:, 1:], n_accepted, last)  # [B, D+1]
+
+    # Truncate at the length limit and at the first EOS; freeze finished rows (as round_step).
+    idx = torch.arange(d + 1, device=ids.device).unsqueeze(0)
+    remaining = s.gen_end - (lengths + 1)
+    n_emit = torch.minimum(n_accepted + 1, remaining)
+    eos_hit = (out.unsqueeze(-1) == s.eos_ids).any(dim=-1) & (idx < n_emit.unsqueeze(1))
+    has_eos = eos_hit.any(dim=1)
+    n_emit = torch.where(has_eos, eos_hit.int().argmax(dim=1) + 1, n_emit)
+    n_emit = torch.where(active, n_emit, 0)
+    emitted = idx < n_emit.unsqueeze(1)
+    out = torch.where(emitted, out, PLACEHOLDER)
+    if sample:
+        at_path = p.gather(1, path.unsqueeze(-1).expand(-1, -1, vocab))  # [B, D+1, V]
+        s.invalid.copy_(s.invalid | (at_path.isnan().any(dim=-1) & emitted).any(dim=1))
+
+    # The accepted path's KV: scratch slots L + path[i] -> committed slots L + i (i = 1..m).
+    depth_ids = idx[:, 1:]  # [1, D]
+    moved = depth_ids <= torch.where(active, n_accepted, 0).unsqueeze(1)
+    dst = lengths.unsqueeze(1) + depth_ids
+    src = torch.where(moved, lengths.unsqueeze(1) + path[:, 1:], dst)
+    target.cache.move(src, dst)
+    drafter.commit_tree(src, dst)
+
+    write = (lengths.unsqueeze(1) + 1 + idx).clamp(max=s.tokens.shape[1] - 1)
+    s.tokens.scatter_(1, write, torch.where(emitted, out, s.tokens.gather(1, write)))
+    s.seen.scatter_add_(1, out, emitted.int())
+    s.finished.copy_(s.finished | (active & (has_eos | (n_emit >= remaining))))
+    s.lengths.add_(n_emit)
+
+    act = active.long()
+    s.rounds.add_(act.amax())
+    s.proposed.add_(act * n)
+    s.accepted.add_(act * n_accepted)
+    s.emitted.add_(n_emit)
+    s.row_rounds.add_(act)
+    s.per_position[:d].add_(((depth_ids <= n_accepted.unsqueeze(1)) & active.unsqueeze(1)).long().sum(dim=0))
+    if collect:
+        take = path.unsqueeze(-1).expand(-1, -1, vocab)
+        return out, n_emit, scores.gather(1, take), logits.float().gather(1, take)
+    return out, n_emit

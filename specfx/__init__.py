@@ -1,7 +1,7 @@
 """specfx: speculative decoding for any Hugging Face causal LM, one compiled graph per round.
 
 Top-level API: :func:`speculate`, :class:`SpeculativeGenerator`, :class:`SpecConfig`,
-:class:`SpecStats`, :class:`PromptLookup`, :class:`EarlyExit`,
+:class:`SpecStats`, :class:`TokenTree`, :class:`PromptLookup`, :class:`EarlyExit`,
 :class:`MTP`. Building blocks: :mod:`specfx.passes` (FX passes and the ``specfx``
 torch.compile backend), :mod:`specfx.drafters`, :mod:`specfx.sampling`.
 """
@@ -13,6 +13,7 @@ from .generator import SpeculativeGenerator, speculate
 from .mtp import MTP
 from .prompt_lookup import PromptLookup
 from .stats import SpecStats
+from .tree import TokenTree
 
 __version__ = "0.1.0"
 
@@ -22,6 +23,7 @@ __all__ = [
     "SpeculativeGenerator",
     "SpecConfig",
     "SpecStats",
+    "TokenTree",
     "PromptLookup",
     "EarlyExit",
     "MTP",

@@ -23,6 +23,7 @@ __all__ = [
     "DraftModel",
     "DEFAULT_DRAFTERS",
     "NAMED_DRAFTERS",
+    "TREE_DRAFTERS",
     "VERIFY_COST",
     "draft_chain",
     "draft_token",
@@ -33,6 +34,9 @@ __all__ = [
 # default of Drafter.proposal_cost. Batch-1 decoding reads the weights once whatever the token
 # count, so the extra position is cheap; larger batches and CPUs make it dearer.
 VERIFY_COST = 0.05
+
+# The drafters that branch (speculate(tree=...)), named by the refusals of those that do not.
+TREE_DRAFTERS = "a draft model, prompt lookup or early exit (draft='early_exit:N')"
 
 
 class Drafter:
@@ -79,8 +83,7 @@ class Drafter:
             return None
         return (
             f"the {self.name} drafter drafts a chain only, not a token tree; use "
-            f"num_speculative_tokens=K without tree=, or a drafter that branches: a draft model, "
-            f"prompt lookup or early exit."
+            f"num_speculative_tokens=K without tree=, or a drafter that branches: {TREE_DRAFTERS}."
         )
 
     def propose_tree(self, ctx) -> torch.Tensor:
@@ -88,6 +91,12 @@ class Drafter:
         Child ``r`` of a node must be a deterministic choice (the drafter's r-th most likely
         token there): tree verification treats every proposal as one-hot."""
         raise NotImplementedError
+
+    def prepare_tree(self, tree) -> None:
+        """The :class:`~specfx.tree.TokenTree` every round will draft, or None for chains:
+        called by ``speculate()`` after :meth:`bind` (and :meth:`tree_refusal`), before any
+        :meth:`allocate`, for drafters that prepare per-shape state for a tree (early exit
+        captures a graph per tree level)."""
 
     def commit_tree(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """After a tree round: move any per-row KV of the accepted path from slots ``src
@@ -169,14 +178,10 @@ class DraftModel(Drafter):
     def propose_tree(self, ctx):
         # Level by level: all nodes of one depth in one forward, each in its scratch slot
         # L + n at position L + depth, seeing the committed prefix and its own ancestors.
-        from .tree_round import draft_tree, tree_view
-
-        lengths = ctx.lengths.unsqueeze(1)  # [B, 1]
+        from .tree_round import draft_tree, level_inputs, tree_view
 
         def step(queries, tokens):
-            q = torch.tensor(queries, device=tokens.device)
-            positions = lengths + ctx.tree.depth[:, q]
-            return self.runner.forward(tokens[:, q], positions, lengths + q, tree=tree_view(ctx, queries))
+            return self.runner.forward(*level_inputs(ctx, queries, tokens), tree=tree_view(ctx, queries))
 
         return draft_tree(ctx, self._catch_up(ctx), step)
 

@@ -22,6 +22,15 @@ time and verification K + 1 at once, which are not bitwise equal in general, and
 cache must hold the target's own values for greedy output to equal ``model.generate()``
 exactly. Correctness is unaffected by the draft's writes: verification overwrites every slot
 the draft wrote before any query reads it, and the mask hides rejected slots afterwards.
+
+Token trees (``speculate(..., tree=...)``): the root's children come from the same one-token
+graph at the pending token; then, for each depth whose nodes have children, one call runs
+those nodes (node n in scratch slot L + n at position L + depth[n], seeing the committed
+prefix and its ancestors: :class:`~specfx.masks.TreeView`). Each such level is a capture of
+its own, traced with the tree's tables as inputs and the level's node indices as a constant,
+so a tree of depth D adds at most D - 1 captures per (batch bucket, capacity). Verification
+rewrites every scratch slot in every layer and the tree round compacts the target's cache,
+which is the draft's for layers < N: the drafter has nothing to move itself.
 """
 
 from __future__ import annotations
@@ -31,8 +40,11 @@ from torch import fx, nn
 
 from .drafters import VERIFY_COST, Drafter, draft_chain
 from .graph_utils import fresh_code
+from .masks import TreeView
 from .passes.early_exit import EarlyExitError, early_exit
 from .runner import ModelRunner
+from .tree import TokenTree
+from .tree_round import draft_levels, draft_tree, level_inputs, tree_view
 
 __all__ = ["EarlyExit", "ExitGraph", "capture_early_exit", "decoder_layer_names"]
 
@@ -57,14 +69,17 @@ class ExitGraph:
     and ``slots`` (``[B, T]``) runs layers 0..N-1, the final norm and the LM head, writes KV of
     layers 0..N-1 into the target's cache at ``slots``, and returns logits ``[B, T, V]``."""
 
-    def __init__(self, gm: fx.GraphModule, inputs: list, removed: int, runner: ModelRunner):
+    def __init__(
+        self, gm: fx.GraphModule, inputs: list, removed: int, runner: ModelRunner, queries: tuple[int, ...] | None = None
+    ):
         self.gm = gm
-        # per placeholder: "ids" | "positions" | "slots" | ("kv", layer, "keys" | "values") or
-        # ("cache", None, attribute): a tensor of the runner's *current* cache | a bound target
-        # tensor (a parameter)
+        # per placeholder: a call input by name ("ids", "positions", "slots"; with a tree also
+        # "lengths", "depth", "ancestors") | ("kv", layer, "keys" | "values") or ("cache", None,
+        # attribute): a tensor of the runner's *current* cache | a bound target tensor (a parameter)
         self.inputs = inputs
         self.removed = removed  # nodes the cut removed
         self.runner = runner
+        self.queries = queries  # the token-tree nodes it runs on (None: a plain causal forward)
 
     def _resolve(self, x, given: dict):
         if isinstance(x, str):
@@ -79,8 +94,22 @@ class ExitGraph:
     def bound(self) -> list[torch.Tensor]:
         return [self._resolve(x, {}) for x in self.inputs if not isinstance(x, str)]
 
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tree: TreeView | None = None
+    ) -> torch.Tensor:
+        """Run the cut graph; ``tree`` is required, with the captured ``queries``, exactly when
+        the graph was captured for token-tree nodes (its tensors are inputs, its queries a
+        constant of the graph)."""
+        if (tree.queries if tree is not None else None) != self.queries:
+            raise ValueError(
+                f"this early-exit graph was captured for "
+                f"{'token-tree nodes ' + str(self.queries) if self.queries else 'a causal forward (no tree)'}, "
+                f"but was called with {'tree queries ' + str(tree.queries) if tree else 'no tree'}; "
+                f"capture one for those nodes (capture_early_exit(..., tree=..., queries=...))."
+            )
         given = {"ids": ids, "positions": positions, "slots": slots}
+        if tree is not None:
+            given.update(lengths=tree.lengths, depth=tree.depth, ancestors=tree.ancestors)
         out = self.gm(*[self._resolve(x, given) for x in self.inputs])
         return out[0] if isinstance(out, (tuple, list)) else out
 
@@ -109,24 +138,52 @@ class _Recorder:
 _RECORDER = _Recorder()
 
 
-def capture_early_exit(runner: ModelRunner, exit_layer: int, batch_size: int, tokens: int = 1) -> ExitGraph:
+def capture_early_exit(
+    runner: ModelRunner,
+    exit_layer: int,
+    batch_size: int,
+    tokens: int = 1,
+    tree: TokenTree | None = None,
+    queries: tuple[int, ...] | None = None,
+) -> ExitGraph:
     """Capture ``runner.forward`` for ``[batch_size, tokens]`` inputs and cut it after
     ``exit_layer`` layers. The runner's cache must be allocated; the capture writes only its
-    trash slot."""
+    trash slot.
 
-    def forward(ids, positions, slots):
-        return runner.forward(ids, positions, slots)
-
+    With ``tree`` and ``queries`` (indices 1..N of ``tree``'s nodes, one per input column, so
+    ``tokens`` is ``len(queries)``): the forward over those token-tree nodes, masked by
+    :class:`~specfx.masks.TreeView`. Its tensors (``lengths [B]``, ``depth [1, N+1]``,
+    ``ancestors [1, N+1, N+1]``) become inputs of the graph; ``queries`` is a constant of it,
+    so each set of queries needs a capture of its own."""
+    if (tree is None) != (queries is None):
+        raise ValueError("capture_early_exit: pass tree= and queries= together (or neither).")
     device = runner.device
+    if tree is None:
+
+        def forward(ids, positions, slots):
+            return runner.forward(ids, positions, slots)
+
+    else:
+        tokens = len(queries)
+
+        def forward(ids, positions, slots, lengths, depth, ancestors):
+            return runner.forward(ids, positions, slots, tree=TreeView(lengths, depth, ancestors, queries))
+
     ids = torch.zeros((batch_size, tokens), dtype=torch.long, device=device)
     positions = torch.zeros_like(ids)
     slots = torch.full_like(ids, runner.cache.trash_slot)
+    given = {"ids": ids, "positions": positions, "slots": slots}  # the call's own inputs, by name
+    if tree is not None:
+        tensors = tree.tensors(device)
+        # lengths 0: every query's slot is the trash slot anyway; the mask is all the tree changes
+        given.update(lengths=torch.zeros(batch_size, dtype=torch.long, device=device))
+        given.update(depth=tensors.depth, ancestors=tensors.ancestors)
     forward = fresh_code(forward)  # a private code object: Dynamo traces it anew, whatever it saw before
     try:
         with torch.no_grad():
             # torch._dynamo.optimize is what torch.compile calls; called directly, Dynamo's
             # backend table holds one entry (the recorder) instead of a wrapper per capture.
-            torch._dynamo.optimize(_RECORDER, nopython=True, dynamic=False)(forward)(ids, positions, slots)
+            torch._dynamo.optimize(_RECORDER, nopython=True, dynamic=False)(forward)(*given.values())
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise EarlyExitError(
@@ -147,13 +204,13 @@ def capture_early_exit(runner: ModelRunner, exit_layer: int, batch_size: int, to
     for i, layer in enumerate(cache.layers):
         if layer.is_initialized:
             dynamic.update({id(layer.keys): ("kv", i, "keys"), id(layer.values): ("kv", i, "values")})
-    dynamic.update({id(ids): "ids", id(positions): "positions", id(slots): "slots"})  # the call's own
+    dynamic.update({id(x): name for name, x in given.items()})
     binding = {p.name: dynamic.get(id(x), x) for p, x in zip(placeholders, example_inputs, strict=True)}
     removed = early_exit(gm, layer_names=decoder_layer_names(runner.model), exit_layer=exit_layer)
     inputs = [binding[n.name] for n in gm.graph.nodes if n.op == "placeholder"]
     # A plain GraphModule (Dynamo hands out lazily recompiled ones, which it will not inline
     # when the round graph calls this one).
-    return ExitGraph(fx.GraphModule(gm, gm.graph), inputs, removed, runner)
+    return ExitGraph(fx.GraphModule(gm, gm.graph), inputs, removed, runner, queries)
 
 
 def _check_layer(layer, num_layers: int | None = None) -> int:
@@ -175,7 +232,8 @@ def _check_layer(layer, num_layers: int | None = None) -> int:
 
 class EarlyExit(Drafter):
     """Self-speculation by early exit: the target's first ``layer`` decoder layers, followed by
-    its final norm and LM head, propose K tokens; ``draft="early_exit:N"`` or
+    its final norm and LM head, propose K tokens or a token tree's nodes (child r of a node:
+    the exit's r-th most likely token there); ``draft="early_exit:N"`` or
     ``draft=specfx.EarlyExit(layer=N)``.
 
     Built from the target's captured graph by a graph pass (no per-architecture code), sharing
@@ -189,8 +247,11 @@ class EarlyExit(Drafter):
     def __init__(self, layer: int):
         self.layer = _check_layer(layer)
         self.target: ModelRunner | None = None
-        self.graph: ExitGraph | None = None
-        self._graphs: dict[tuple[int, int], ExitGraph] = {}  # (batch bucket, capacity) -> capture
+        self.token_tree: TokenTree | None = None  # the tree rounds draft (None: chains)
+        self.graph: ExitGraph | None = None  # the causal forward on one token: chain steps, a tree's root
+        self.levels: dict[tuple[int, ...], ExitGraph] = {}  # a tree level's queries -> its capture
+        # (batch bucket, capacity, None | (tree size N, a level's queries)) -> capture
+        self._graphs: dict[tuple, ExitGraph] = {}
 
     def __repr__(self) -> str:
         return f"EarlyExit(layer={self.layer})"
@@ -200,16 +261,33 @@ class EarlyExit(Drafter):
         decoder_layer_names(target.model)  # fail at speculate() time if the layers cannot be found
         self.target = target
 
+    def prepare_tree(self, tree: TokenTree | None) -> None:
+        self.token_tree = tree
+        self.levels = {}
+
     def allocate(self, batch_size: int, capacity: int) -> None:
-        # One capture per (batch bucket, capacity), reused after a reallocation of the same shape:
-        # it reads the KV buffers of the target's current cache at call time, and a compiled
-        # round guards on the graph module's class (a new capture would recompile every round
-        # graph that calls it).
-        key = (batch_size, capacity)
+        # One capture per (batch bucket, capacity, tree level), reused after a reallocation of
+        # the same shape: it reads the KV buffers of the target's current cache at call time,
+        # and a compiled round guards on the graph module's class (a new capture would
+        # recompile every round graph that calls it). A tree adds one capture per depth
+        # 1..D-1 whose nodes have children (its queries are a constant of the graph): at most
+        # D - 1 per shape.
+        tree = self.token_tree
+        levels = [(tree.size, q) for q in draft_levels(tree)] if tree is not None else []
+        # captures for an outgrown capacity or another tree's levels: dropped
+        self._graphs = {k: g for k, g in self._graphs.items() if k[1] == capacity and (k[2] is None or k[2] in levels)}
+        self.graph = self._capture(batch_size, capacity, None)
+        self.levels = {level[1]: self._capture(batch_size, capacity, level) for level in levels}
+
+    def _capture(self, batch_size: int, capacity: int, level: tuple | None) -> ExitGraph:
+        """The capture for ``level``: None (the causal forward on one token) or ``(N,
+        queries)``, a level of the current tree of N nodes (the graph depends on the tree only
+        through N, its tables' size, and the queries; the tables themselves are inputs)."""
+        key = (batch_size, capacity, level)
         if key not in self._graphs:
-            self._graphs = {k: g for k, g in self._graphs.items() if k[1] == capacity}  # outgrown: dropped
-            self._graphs[key] = capture_early_exit(self.target, self.layer, batch_size)
-        self.graph = self._graphs[key]
+            tree, queries = (None, None) if level is None else (self.token_tree, level[1])
+            self._graphs[key] = capture_early_exit(self.target, self.layer, batch_size, tree=tree, queries=queries)
+        return self._graphs[key]
 
     def prefill(self, ids, positions, slots) -> None:
         """Nothing to do: the draft's KV for layers < N is the target's, filled by its prefill."""
@@ -217,16 +295,43 @@ class EarlyExit(Drafter):
     def proposal_cost(self, target: ModelRunner) -> float:
         return VERIFY_COST + self.layer / target.num_layers
 
+    def _root(self, ctx) -> torch.Tensor:
+        """The draft's logits ``[B, 1, V]`` at the pending token (position and slot L)."""
+        pending = ctx.lengths.unsqueeze(1)  # [B, 1]
+        # KV of layers < N is written at the input's slot == position (see the module docstring)
+        return self.graph(ctx.tokens.gather(1, pending), pending, pending)
+
     def propose(self, ctx):
         pending = ctx.lengths.unsqueeze(1)  # [B, 1], the pending token's position L
-        # KV of layers < N is written at the input's slot == position (see the module docstring)
-        first = self.graph(ctx.tokens.gather(1, pending), pending, pending)  # [B, 1, V]
 
         def step(i, proposals):
             pos = pending + i  # [B, 1], the position of proposal i - 1
             return self.graph(proposals[-1], pos, pos)
 
-        return draft_chain(ctx, first, step)
+        return draft_chain(ctx, self._root(ctx), step)
+
+    supports_tree = True
+
+    def propose_tree(self, ctx):
+        # The root from the pending token (as a chain's first step), then level by level: the
+        # nodes of one depth that have children in one call of that level's capture, each in
+        # its scratch slot L + n at position L + depth, seeing the committed prefix and its
+        # ancestors only; their layers < N KV goes to the target's cache at those slots.
+        def step(queries, tokens):
+            if queries not in self.levels:
+                raise RuntimeError(
+                    f"early exit: no captured graph for tree level {queries} of {ctx.token_tree!r}; "
+                    f"prepare_tree() must be given the round's tree before allocate()."
+                )
+            return self.levels[queries](*level_inputs(ctx, queries, tokens), tree=tree_view(ctx, queries))
+
+        return draft_tree(ctx, self._root(ctx), step)
+
+    def commit_tree(self, src, dst) -> None:
+        """Nothing to move: the draft's KV is the target's cache for layers < N, which the tree
+        round compacts itself (``target.cache.move``). What the draft wrote to the scratch slots
+        L..L+N does not survive anyway: verification runs every layer on every node and
+        rewrites all of those slots before the move."""
 
 
 def from_name(arg: str | None) -> EarlyExit:

@@ -112,6 +112,7 @@ class SpeculativeGenerator:
             for why in (self.target_runner.tree_refusal(), self.drafter.tree_refusal()):
                 if why is not None:
                     raise ValueError(f"speculate(tree=...): {why}")
+        self.drafter.prepare_tree(self.tree)
         self.auto_k = None  # AutoK for num_speculative_tokens="auto"; .history lists the Ks used
         if config.num_speculative_tokens == AUTO:
             cost = config.auto_k_cost

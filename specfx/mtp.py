@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from .cache import SlotCache
-from .drafters import VERIFY_COST, Drafter, draft_chain
+from .drafters import TREE_DRAFTERS, VERIFY_COST, Drafter, draft_chain
 from .graph_utils import mark_static
 from .masks import check_attn_implementation, layer_pattern, to_format, visible_slots
 from .runner import ModelRunner
@@ -329,6 +329,14 @@ class MTP(Drafter):
             return self._logits(last)
 
         return draft_chain(ctx, self._logits(self.stash[0]), step)  # proposal 0: layer 0 at L -> L + 1
+
+    def tree_refusal(self) -> str:
+        return (
+            "MTP heads draft a chain only, not a token tree: MTP layer i drafts the token i + 1 "
+            "positions ahead from layer i - 1's hidden state along one path, and their cache keeps one "
+            "entry per position, not per tree node. Use draft='mtp' with num_speculative_tokens=K (no "
+            f"tree=), or a drafter that branches: {TREE_DRAFTERS}."
+        )
 
 
 def from_name(arg: str | None) -> MTP:

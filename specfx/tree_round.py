@@ -24,7 +24,7 @@ from .masks import TreeView
 from .sampling import PLACEHOLDER, _emit, sample_from, uniform
 from .tree import TokenTree, TreeTensors
 
-__all__ = ["draft_tree", "tree_accept", "tree_round_step"]
+__all__ = ["draft_levels", "draft_tree", "level_inputs", "tree_accept", "tree_round_step", "tree_view"]
 
 _STREAM_TREE_ACCEPT = 1002
 _STREAM_TREE_RESIDUAL = 1003
@@ -54,11 +54,26 @@ def draft_tree(ctx, root_logits: torch.Tensor, step) -> torch.Tensor:
                 columns[m] = top[:, t, ranks[m - 1] : ranks[m - 1] + 1]
 
     expand((0,), root_logits)
-    for d in range(1, tree.depth):
-        queries = tuple(n for n in tree.level(d) if tree.has_children(n))
-        if queries:
-            expand(queries, step(queries, torch.cat([c if c is not None else zero for c in columns], dim=1)))
+    for queries in draft_levels(tree):
+        expand(queries, step(queries, torch.cat([c if c is not None else zero for c in columns], dim=1)))
     return torch.cat(columns[1:], dim=1)
+
+
+def draft_levels(tree: TokenTree) -> list[tuple[int, ...]]:
+    """The ``queries`` of each ``step`` :func:`draft_tree` makes after the root, in order: for
+    each depth d = 1..D-1, the nodes of depth d that have children (depths without any are
+    skipped). A drafter that prepares per-shape state (captured graphs) for a tree needs these."""
+    levels = (tuple(n for n in tree.level(d) if tree.has_children(n)) for d in range(1, tree.depth))
+    return [q for q in levels if q]
+
+
+def level_inputs(ctx, queries: tuple[int, ...], tokens: torch.Tensor):
+    """A drafter forward's ``(ids, positions, slots)``, ``[B, T]`` each, over the nodes
+    ``queries`` of this round's tree given ``tokens [B, N+1]`` (as :func:`draft_tree`'s step
+    receives them): node n's token, at position ``L + depth[n]`` in scratch slot ``L + n``."""
+    lengths = ctx.lengths.unsqueeze(1)  # [B, 1]
+    q = torch.tensor(queries, device=tokens.device)
+    return tokens[:, q], lengths + ctx.tree.depth[:, q], lengths + q
 
 
 def tree_view(ctx, queries: tuple[int, ...]) -> TreeView:

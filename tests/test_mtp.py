@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LogitsProcessorList
 import specfx
 from specfx import mtp as mtp_module
 from specfx.models.tiny import tiny_causal_lm
+from specfx.tree import TokenTree
 from tests.conftest import left_padded, prompt
 from tests.test_lossless import NEW, ROWS, _chisquare, _exact
 
@@ -232,6 +233,20 @@ def test_bad_mtp_arguments():
     training = MtpModel(target, 1)  # nn.Module default: training mode
     with pytest.raises(ValueError, match=r"training mode .* call .eval\(\)"):
         specfx.speculate(target, draft=specfx.MTP(layers=training), compile=False)
+
+
+def test_tree_is_refused_mtp_drafts_a_chain(one_thread):
+    """MTP layers draft one path (layer i from layer i - 1's hidden state): a branching tree is
+    refused at speculate() time, naming what branches; a tree that is a chain runs as the chain."""
+    target, layers = mtp_target("deepseek_v3", 2)
+    for tree in (TokenTree.topk(2, 2), [(0,), (0, 0), (1,)]):
+        with pytest.raises(ValueError, match=r"speculate\(tree=...\): MTP heads draft a chain only") as e:
+            specfx.speculate(target, draft=specfx.MTP(layers=layers), tree=tree, compile=False)
+        assert "num_speculative_tokens=K" in str(e.value) and "early exit (draft='early_exit:N')" in str(e.value)
+    spec = specfx.speculate(target, draft=specfx.MTP(layers=layers), tree=TokenTree.chain(3), compile=False)
+    assert spec.tree is None and spec.k == 3
+    ids = prompt(7, seed=2)
+    assert torch.equal(spec.generate(ids, max_new_tokens=12), target.generate(ids, max_new_tokens=12))
 
 
 @pytest.mark.compiled

@@ -65,7 +65,11 @@ def random_parents(n: int, rng: random.Random) -> list[int]:
         ([(0,), (-1,)], ValueError, r"tree node 1 must be a non-empty tuple of ints >= 0 .* got \(-1,\)"),
         ([(0,), (0.5,)], ValueError, r"tree node 1 must be a non-empty tuple"),
         ([(True,)], ValueError, r"tree node 0 must be a non-empty tuple"),
-        ([(0,) * d for d in range(1, MAX_TREE_NODES + 2)], ValueError, rf"{MAX_TREE_NODES + 1} nodes; at most {MAX_TREE_NODES}"),
+        (
+            [(0,) * d for d in range(1, MAX_TREE_NODES + 2)],
+            ValueError,
+            rf"{MAX_TREE_NODES + 1} nodes; at most {MAX_TREE_NODES}",
+        ),
     ],
 )
 def test_invalid_trees_are_clear_errors(nodes, error, match):
@@ -395,7 +399,9 @@ def _assert_cache_matches(cache, fresh, lengths):
 
 
 @pytest.mark.parametrize(
-    ("arch", "padded"), [("llama", False), ("llama", True), ("gemma2", True)], ids=["llama-b1", "llama-padded", "gemma2-padded"]
+    ("arch", "padded"),
+    [("llama", False), ("llama", True), ("gemma2", True)],
+    ids=["llama-b1", "llama-padded", "gemma2-padded"],
 )
 def test_committed_kv_equals_a_fresh_prefill(arch, padded, monkeypatch, one_thread):
     """After tree rounds whose accepted paths ran through second children, the target's KV at

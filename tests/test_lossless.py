@@ -129,7 +129,8 @@ def _tree_samples(target, draft, tree, **kwargs):
     generator's stats."""
     spec = specfx.speculate(target, draft=draft, tree=tree, **TREE_OPTIONS)
     torch.manual_seed(1234)
-    out = spec.generate(torch.tensor([[1, 4, 2]]).repeat(TREE_ROWS, 1), do_sample=True, max_new_tokens=NEW, pad_token_id=0, **kwargs)
+    ids = torch.tensor([[1, 4, 2]]).repeat(TREE_ROWS, 1)
+    out = spec.generate(ids, do_sample=True, max_new_tokens=NEW, pad_token_id=0, **kwargs)
     return out[:, 3:].tolist(), spec.stats
 
 

@@ -432,6 +432,26 @@ def test_committed_kv_equals_a_fresh_prefill(arch, padded, monkeypatch, one_thre
     _assert_cache_matches(spec.drafter.runner.cache, _fresh_kv(perturbed, tokens), [n - 1 for n in lengths])
 
 
+def test_return_dict_with_a_tree_matches_hf(one_thread):
+    """With paths through second children and a repetition penalty: HF's per-step scores and
+    logits (those of the accepted path's nodes), and past_key_values (built from the compacted
+    KV) that continue like HF's; batch 3, so the buffers hold an inert fourth row."""
+    from tests.test_outputs import _assert_same_continuation
+
+    target, perturbed = pair("llama", "perturbed")
+    spec = specfx.speculate(target, draft=SecondBestDraft(perturbed), tree=TokenTree.topk(3, 2), compile=False)
+    ids, mask = left_padded(9, [0, 4, 2], seed=11)
+    kw = dict(attention_mask=mask, max_new_tokens=14, repetition_penalty=1.3, eos_token_id=None, pad_token_id=0)
+    kw.update(return_dict_in_generate=True, output_scores=True, output_logits=True)
+    ours, hf = spec.generate(ids, **kw), target.generate(ids, **kw)
+    assert torch.equal(ours.sequences, hf.sequences)
+    assert len(ours.scores) == len(hf.scores) == len(ours.logits) == 14
+    for a, b in zip(ours.scores + ours.logits, hf.scores + hf.logits, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    full_mask = torch.cat([mask, torch.ones_like(hf.sequences[:, ids.shape[1] :])], dim=1)
+    _assert_same_continuation(target, ours.past_key_values, hf.past_key_values, ours.sequences, full_mask)
+
+
 # --------------------------------------------------------------------------- greedy equality
 TREES = {
     "3": TokenTree([(0,), (1,), (0, 0)]),
@@ -461,6 +481,27 @@ def test_greedy_equals_generate(shape, one_thread):
     spec = specfx.speculate(gpt2, draft=gpt2_draft, tree=tree, compile=False)
     ids = prompt(9, seed=6)
     assert torch.equal(spec.generate(ids, max_new_tokens=20), gpt2.generate(ids, max_new_tokens=20))
+
+
+def test_eos_min_new_tokens_and_penalty_with_a_tree(one_thread):
+    """Rows stop at an EOS inside an accepted path (batch rows finishing at different rounds),
+    min_new_tokens suppresses it at the right depth, and the repetition penalty counts the
+    tokens on each node's path: all as generate() does."""
+    target, draft = pair("llama", "perturbed")
+    spec = specfx.speculate(target, draft=draft, tree=TREES["7"], compile=False)
+    ids, mask = left_padded(10, [3, 0, 5], seed=4)
+    plain = target.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
+    eos = [int(plain[0, 15]), int(plain[1, 13])]
+    for extra in (
+        dict(eos_token_id=eos[0]),
+        dict(eos_token_id=eos),
+        dict(eos_token_id=eos[0], min_new_tokens=12, repetition_penalty=1.5),
+        dict(repetition_penalty=1.3),
+    ):
+        kw = dict(attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0, **extra)
+        expected = target.generate(ids, **kw)
+        assert torch.equal(spec.generate(ids, **kw), expected), extra
+    assert spec.cumulative_stats.per_depth[2] > 0
 
 
 def test_a_short_chain_runs_as_the_chain_round():

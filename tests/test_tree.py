@@ -127,22 +127,30 @@ def _expected_score(tree_node, accuracies):
     return score
 
 
-TOPK_ACC = lambda d, r: 0.6 * 0.4**r  # noqa: E731 (topk's documented acceptance model)
-MEDUSA_ACC = lambda d, r: (0.75, 0.5, 0.38, 0.3)[d - 1] * 0.35**r  # noqa: E731
-EAGLE_ACC = lambda d, r: 0.8 * 0.9 ** (d - 1) * 0.3**r  # noqa: E731
+# the acceptance models the builders document (depth d 1-based, rank r)
+def topk_accuracy(d, r):
+    return 0.6 * 0.4**r
+
+
+def medusa_accuracy(d, r):
+    return (0.75, 0.5, 0.38, 0.3)[d - 1] * 0.35**r
+
+
+def eagle_accuracy(d, r):
+    return 0.8 * 0.9 ** (d - 1) * 0.3**r
 
 
 @pytest.mark.parametrize(
     ("tree", "size", "max_depth", "branching", "accuracies"),
     [
-        (TokenTree.topk(depth=3, branching=2), 14, 3, 2, TOPK_ACC),
-        (TokenTree.topk(depth=4, branching=3), 120, 4, 3, TOPK_ACC),
-        (TokenTree.topk(depth=4, branching=3, budget=16), 16, 4, 3, TOPK_ACC),
-        (TokenTree.topk(depth=2, branching=4, budget=5), 5, 2, 4, TOPK_ACC),
-        (TokenTree.medusa(), 63, 4, 10, MEDUSA_ACC),
-        (TokenTree.medusa(budget=24), 24, 4, 10, MEDUSA_ACC),
-        (TokenTree.eagle(), 63, 5, 10, EAGLE_ACC),
-        (TokenTree.eagle(budget=10), 10, 5, 10, EAGLE_ACC),
+        (TokenTree.topk(depth=3, branching=2), 14, 3, 2, topk_accuracy),
+        (TokenTree.topk(depth=4, branching=3), 120, 4, 3, topk_accuracy),
+        (TokenTree.topk(depth=4, branching=3, budget=16), 16, 4, 3, topk_accuracy),
+        (TokenTree.topk(depth=2, branching=4, budget=5), 5, 2, 4, topk_accuracy),
+        (TokenTree.medusa(), 63, 4, 10, medusa_accuracy),
+        (TokenTree.medusa(budget=24), 24, 4, 10, medusa_accuracy),
+        (TokenTree.eagle(), 63, 5, 10, eagle_accuracy),
+        (TokenTree.eagle(budget=10), 10, 5, 10, eagle_accuracy),
         (TokenTree.from_accuracies(lambda d, r: 0.9 / (1 + r) / d, 12, max_depth=3, branching=3), 12, 3, 3, None),
     ],
 )

@@ -82,10 +82,12 @@ def _forward_tail(model, dynamic: DynamicCache, sequences: torch.Tensor, padding
 
 
 def _gather(buffer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """``buffer [B, H, C, D]``, ``slots [B, L]`` -> ``[B, H, L, D]`` (zeros where slots < 0)."""
-    b, h, _, d = buffer.shape
+    """``buffer [R, H, C, D]`` (R >= B: the batch bucket, the call's rows first), ``slots [B, L]``
+    -> ``[B, H, L, D]`` (zeros where slots < 0)."""
+    b = slots.shape[0]
+    _, h, _, d = buffer.shape
     index = slots.clamp_min(0)[:, None, :, None].expand(b, h, slots.shape[1], d)
-    return buffer.gather(2, index).masked_fill((slots < 0)[:, None, :, None], 0)
+    return buffer[:b].gather(2, index).masked_fill((slots < 0)[:, None, :, None], 0)
 
 
 def step_tuples(

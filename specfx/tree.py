@@ -41,6 +41,12 @@ def _node(x, i: int) -> tuple[int, ...]:
     return node
 
 
+def _positive_ints(**values) -> None:
+    for name, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}.")
+
+
 @dataclass(frozen=True)
 class TokenTree:
     """A validated token tree (see the module docstring for the convention).
@@ -99,9 +105,7 @@ class TokenTree:
         drafter's rank-``rank`` guess at that depth is the target's token). This is how
         Medusa and EAGLE derive their trees from measured head accuracies; with accuracies that
         fall with rank and depth the chosen set is always a valid tree."""
-        for name, v in (("budget", budget), ("max_depth", max_depth), ("branching", branching)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}.")
+        _positive_ints(budget=budget, max_depth=max_depth, branching=branching)
         if budget > MAX_TREE_NODES:
             raise ValueError(f"budget must be at most {MAX_TREE_NODES} nodes, got {budget}.")
         chosen: list[tuple[int, ...]] = []
@@ -127,14 +131,14 @@ class TokenTree:
         accepted with probability ``0.6 * 0.4**r`` at every depth (lower ranks and shallower
         nodes first). Without ``budget``: the full tree (``branching + ... + branching**depth``
         nodes, which must not exceed MAX_TREE_NODES)."""
+        _positive_ints(depth=depth, branching=branching)  # before budget, which may be derived
         if budget is None:
-            if isinstance(branching, int) and isinstance(depth, int) and branching >= 1 and depth >= 1:
-                budget = sum(branching**d for d in range(1, depth + 1))
-                if budget > MAX_TREE_NODES:
-                    raise ValueError(
-                        f"topk(depth={depth}, branching={branching}) has {budget} nodes, more than "
-                        f"{MAX_TREE_NODES}; pass budget= to keep the best ones."
-                    )
+            budget = sum(branching**d for d in range(1, depth + 1))
+            if budget > MAX_TREE_NODES:
+                raise ValueError(
+                    f"topk(depth={depth}, branching={branching}) has {budget} nodes, more than "
+                    f"{MAX_TREE_NODES}; pass budget= to keep the best ones."
+                )
         return cls.from_accuracies(lambda d, r: 0.6 * 0.4**r, budget, depth, branching)
 
     @classmethod

@@ -5,7 +5,11 @@ from the target's own logits processed by transformers' warpers; a batch of thou
 is generated speculatively in one call (every row has its own random stream), and a
 chi-square test compares the counts with the exact probabilities. Seeds are fixed, so the
 test is deterministic; the threshold (p > 1e-3) is what a correct sampler passes and a
-sampler with a biased acceptance rule fails by a wide margin (see the negative control).
+sampler with a biased acceptance rule fails by a wide margin (see the negative controls).
+
+Token trees (specfx.tree) are checked the same way: a tree of several branches drafted by a
+draft model, and a fixed tree whose proposals repeat tokens among siblings and across parents;
+the negative control there is the tree walk with a deliberately biased residual.
 """
 
 import itertools
@@ -21,7 +25,10 @@ from transformers.generation.logits_process import (
 )
 
 import specfx
+from specfx import tree_round
+from specfx.drafters import Drafter
 from specfx.models.tiny import perturbed_copy, tiny_causal_lm
+from specfx.sampling import sample_from
 
 V = 6
 NEW = 3
@@ -107,3 +114,88 @@ def test_negative_control_draft_distribution_is_rejected():
     torch.manual_seed(1234)
     out = draft.generate(torch.tensor([prompt]).repeat(ROWS, 1), do_sample=True, max_new_tokens=NEW, top_k=0, pad_token_id=0)
     assert _chisquare(out[:, len(prompt) :].tolist(), probs) < 1e-6
+
+
+# --------------------------------------------------------------------------- token trees
+# 8192 rows fill the batch bucket (no inert rows); a small prompt bucket and buffer make each
+# generate() call several times faster than the defaults at this batch size.
+TREE_ROWS = 8192
+TREE_OPTIONS = dict(compile=False, min_capacity=16, prefill_buckets=(4,))
+BRANCHES = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
+
+
+def _tree_samples(target, draft, tree, **kwargs):
+    """Speculative samples of the first NEW tokens after ``[1, 4, 2]`` with ``tree``, and the
+    generator's stats."""
+    spec = specfx.speculate(target, draft=draft, tree=tree, **TREE_OPTIONS)
+    torch.manual_seed(1234)
+    ids = torch.tensor([[1, 4, 2]]).repeat(TREE_ROWS, 1)
+    out = spec.generate(ids, do_sample=True, max_new_tokens=NEW, pad_token_id=0, **kwargs)
+    return out[:, 3:].tolist(), spec.stats
+
+
+def _assert_both_paths_at_several_depths(stats):
+    """Proposals were accepted at depths 1 and 2, and some rounds accepted nothing."""
+    per_depth = stats.per_depth
+    assert per_depth[0] > 0.05 * stats.row_rounds and per_depth[1] > 0.01 * stats.row_rounds, per_depth
+    assert per_depth[0] < 0.95 * stats.row_rounds, per_depth
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_tree_sampling_matches_exact_distribution(case):
+    """A tree of three branches (three candidates at the root, two under the first) drafted by
+    a draft model that disagrees often."""
+    target, draft = _models()
+    kwargs, warpers = CASES[case]
+    probs = _exact(target, [1, 4, 2], warpers)
+    samples, stats = _tree_samples(target, draft, BRANCHES, **kwargs)
+    _assert_both_paths_at_several_depths(stats)
+    assert _chisquare(samples, probs) > 1e-3
+
+
+class FixedTree(Drafter):
+    """Proposes the same tokens for every node in every round: a deterministic drafter (q is
+    one-hot), so any choice of tokens must leave the target's distribution unchanged."""
+
+    name = "fixed_tree"
+    supports_tree = True
+
+    def __init__(self, tokens):
+        self.tokens = torch.tensor(tokens)  # [N]
+
+    def propose_tree(self, ctx):
+        return self.tokens.to(ctx.tokens.device).expand(ctx.tokens.shape[0], -1)  # [B, N]
+
+
+# nodes (0,) (1,) (2,) (0,0) (0,1) (1,0) (2,0): the root's first two children repeat token 2,
+# (0,0) and (0,1) repeat token 1 under one parent, (2,0) proposes 1 too under another parent,
+# and (1,0) hangs under a duplicate that can never be accepted
+DUPLICATES = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (2, 0)]
+DUPLICATE_TOKENS = [2, 2, 5, 1, 1, 3, 1]
+
+
+def test_tree_with_duplicate_tokens_matches_exact_distribution():
+    target, _ = _models()
+    probs = _exact(target, [1, 4, 2], LogitsProcessorList())
+    samples, stats = _tree_samples(target, FixedTree(DUPLICATE_TOKENS), DUPLICATES)
+    _assert_both_paths_at_several_depths(stats)
+    assert _chisquare(samples, probs) > 1e-3
+
+
+def test_negative_control_tree_residual_not_renormalised(monkeypatch):
+    """The tree test has power: the same walk, but with the token after the accepted path drawn
+    from the target's distribution at the stop node without removing the children rejected
+    there (the renormalisation after a rejection skipped), fails the chi-square by far."""
+
+    def biased(scores, tokens, tree, sample, u_accept=None, u_residual=None):
+        stop, last, p = real(scores, tokens, tree, sample, u_accept, u_residual)
+        at_stop = p.gather(1, stop.view(-1, 1, 1).expand(-1, 1, p.shape[-1])).squeeze(1)  # [B, V]
+        return stop, sample_from(at_stop, u_residual), p
+
+    real = tree_round.tree_accept
+    monkeypatch.setattr(tree_round, "tree_accept", biased)
+    target, draft = _models()
+    probs = _exact(target, [1, 4, 2], LogitsProcessorList())
+    samples, stats = _tree_samples(target, draft, BRANCHES)
+    _assert_both_paths_at_several_depths(stats)
+    assert _chisquare(samples, probs) < 1e-6

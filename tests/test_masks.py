@@ -1,5 +1,8 @@
 """Mask patterns and formats have one home (specfx.masks), used by the target's runner and by
-the MTP drafter; long-lived buffers are marked static through graph_utils.mark_static."""
+the MTP drafter; long-lived buffers are marked static through graph_utils.mark_static; token-tree
+masks (a node sees the committed prefix and its ancestors) match a brute-force reference."""
+
+import random
 
 import pytest
 import torch
@@ -7,7 +10,9 @@ from transformers import PretrainedConfig
 
 from specfx import cache as cache_module
 from specfx import mtp as mtp_module
-from specfx.masks import build_mask, layer_pattern, to_format, visible_slots
+from specfx.masks import MaskPlan, TreeView, build_mask, layer_pattern, to_format, visible_slots
+from specfx.tree import TreeTensors
+from tests.test_tree import SIX_PARENTS, random_parents, reference_tables
 
 
 def _config(**kw):
@@ -85,3 +90,81 @@ def test_kv_buffers_and_the_mtp_stash_are_marked_static(monkeypatch):
     kv = [t for c in (runner.cache, spec.cache) for layer in c.layers for t in (layer.keys, layer.values)]
     assert kv and all(id(t) in ids for t in kv)
     assert id(spec.stash) in ids
+
+
+# --------------------------------------------------------------------------- token-tree masks
+def _tree_reference(lengths, parents, queries, capacity, pattern):
+    """visible[b][t][j] by brute force: node q = queries[t] of row b sits at position
+    L + depth[q] and sees committed slots 0..L (positions = slots) and the slots L + m of its
+    ancestors m (itself included; positions L + depth[m]); the window or chunk is measured
+    between the query's position and the key's."""
+    kind, size = pattern
+    out = []
+    for b, length in enumerate(lengths):
+        parent = parents[b if len(parents) > 1 else 0]
+        n = len(parent) - 1
+        depth, ancestors, _ = reference_tables(parent, n)
+        rows = []
+        for q in queries:
+            pos = length + depth[q]
+            row = []
+            for j in range(capacity):
+                if j <= length:
+                    visible, key = True, j
+                elif j <= length + n:
+                    visible, key = ancestors[q][j - length], length + depth[j - length]
+                else:
+                    visible, key = False, j
+                if kind == "sliding":
+                    visible = visible and key > pos - size
+                elif kind == "chunked":
+                    visible = visible and key // size == pos // size
+                row.append(visible)
+            rows.append(row)
+        out.append(rows)
+    return out
+
+
+def _tree_case(parents, lengths, queries):
+    """(TreeView, positions [B, T]) for ``parents`` ([N+1] lists, one or one per row)."""
+    tables = TreeTensors.from_parents(torch.tensor(parents), len(parents[0]) - 1)
+    lengths = torch.tensor(lengths)
+    q = torch.tensor(queries)
+    positions = lengths.unsqueeze(1) + tables.depth.expand(len(lengths), -1)[:, q]  # [B, T]
+    return TreeView(lengths, tables.depth, tables.ancestors, tuple(queries)), positions
+
+
+TREE_PATTERNS = [("full", None), ("sliding", 3), ("sliding", 1), ("chunked", 4)]
+
+
+@pytest.mark.parametrize("pattern", TREE_PATTERNS, ids=lambda p: f"{p[0]}{p[1] or ''}")
+@pytest.mark.parametrize(
+    ("per_row", "queries"),
+    [(False, range(7)), (False, (3, 4, 5)), (True, range(7)), (True, (2, 6))],
+    ids=["one-tree-all-nodes", "one-tree-one-level", "tree-per-row-all-nodes", "tree-per-row-some-nodes"],
+)
+def test_tree_visibility_matches_brute_force(pattern, per_row, queries):
+    """Rows at L = 0, 5, 13 and 23 (23 + 6 = 29 = capacity - 3: the last tree slot right
+    before two stale slots and the trash slot); the trash slot is never visible."""
+    rng = random.Random(1)
+    lengths, capacity = [0, 5, 13, 23], 32
+    parents = (
+        [list(SIX_PARENTS)] if not per_row else [list(SIX_PARENTS)] + [random_parents(6, rng) for _ in lengths[1:]]
+    )
+    view, positions = _tree_case(parents, lengths, list(queries))
+    visible = visible_slots(positions, capacity, pattern, view)  # [B, 1, T, C]
+    assert visible.shape == (4, 1, len(queries), capacity)
+    assert visible[:, 0].tolist() == _tree_reference(lengths, parents, list(queries), capacity, pattern)
+    assert not visible[..., capacity - 1].any()
+
+
+def test_tree_masks_per_layer_type():
+    """A model with sliding and full layers gets one tree mask per layer type, each the
+    visibility of its own pattern."""
+    view, positions = _tree_case([list(SIX_PARENTS)], [9, 4], list(range(7)))
+    plan = MaskPlan(None, {"sliding_attention": ("sliding", 2), "full_attention": ("full", None)})
+    masks = plan.build(positions, 24, "additive", torch.float32, view)
+    assert set(masks) == {"sliding_attention", "full_attention"}
+    for layer_type, pattern in plan.by_type.items():
+        assert torch.equal(masks[layer_type] == 0, visible_slots(positions, 24, pattern, view))
+    assert not torch.equal(masks["sliding_attention"], masks["full_attention"])

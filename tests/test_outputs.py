@@ -60,6 +60,8 @@ def _batch(kind):
     if kind == "batch1":
         ids = prompt(7, seed=2)
         return ids, torch.ones_like(ids)
+    if kind == "left_padded_batch3":  # batch bucket 4: the KV buffers hold an inert fourth row
+        return left_padded(7, [3, 0, 1], seed=3)
     return left_padded(7, [3, 0], seed=3)
 
 
@@ -68,6 +70,7 @@ def _batch(kind):
     [
         ("llama", "batch1"),
         ("llama", "left_padded_batch2"),
+        ("llama", "left_padded_batch3"),
         ("mistral", "left_padded_batch2"),  # sliding window 8, crossed by 7 + 14 tokens
         ("bloom", "left_padded_batch2"),  # ALiBi, rowwise protocol
         ("deepseek_v3", "left_padded_batch2"),  # latent attention: keys and values of different widths

@@ -100,7 +100,8 @@ class TokenTree:
 
     @classmethod
     def from_accuracies(cls, accuracies: Callable[[int, int], float], budget: int, max_depth: int, branching: int):
-        """The ``budget`` nodes with the highest expected acceptance, where a node's is the
+        """The ``budget`` nodes (fewer if the full tree of ``max_depth`` and ``branching`` has
+        fewer) with the highest expected acceptance, where a node's is the
         product of ``accuracies(depth, rank)`` along its path (depth 1-based; how often the
         drafter's rank-``rank`` guess at that depth is the target's token). This is how
         Medusa and EAGLE derive their trees from measured head accuracies; with accuracies that

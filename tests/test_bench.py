@@ -149,14 +149,15 @@ def test_bench_trees_task_smoke(one_thread, tmp_path, capsys):
 
     target, draft = tiny_pair("llama", vocab_size=512)
     out = tmp_path / "trees.json"
-    args = trees.parse_args(["--budgets", "4", "8", "--num-prompts", "2", "--calib-prompts", "4", "--max-new-tokens",
-                             "8", "--repeats", "1", "--eager", "--json", str(out)])  # fmt: skip
+    args = trees.parse_args(["--budgets", "4", "8", "--num-prompts", "2", "--calib-prompts", "4", "--holdout-prompts",
+                             "3", "--max-new-tokens", "8", "--repeats", "1", "--eager", "--json", str(out)])  # fmt: skip
     assert trees.run(args, target, draft, lambda s: list(s.encode("utf-8")), "tiny pair") == 0
     report = json.loads(out.read_text())
     rows = report["rows"]
     assert [(r["budget"], r["shape"]) for r in rows] == [(b, s) for b in (4, 8) for s in trees.SHAPES]
     for r in rows:
         assert r["nodes"] == r["budget"] and 1 <= r["depth"] <= r["nodes"]
+        assert all(1.0 <= r[k] <= r["depth"] + 1 for k in ("tau_calibration", "tau_holdout", "tau_replay"))
         if r["same_as"] is None:  # run: τ in range, equal to the rank replay, tokens equal HF's
             assert r["status"] == "ok" and 1.0 <= r["tau"] <= r["depth"] + 1
             assert r["tau"] == pytest.approx(r["tau_replay"]) and r["same_tokens_as_hf_dynamic"]
@@ -165,6 +166,7 @@ def test_bench_trees_task_smoke(one_thread, tmp_path, capsys):
             same = next(x for x in rows if x["method"] == r["same_as"])
             assert same["budget"] == r["budget"] and same["tree"] == r["tree"]
     assert report["baseline"]["status"] == "ok" and report["meta"]["compiled"] is False
+    assert (report["meta"]["calibration_functions"], report["meta"]["holdout_functions"]) == (4, 3)
     assert {"per_budget", "goal_speed"} <= set(report["summary"])
     printed = capsys.readouterr().out
     assert "| 8 | search |" in printed and "best tree >= best chain in tokens/s" in printed

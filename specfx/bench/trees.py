@@ -51,16 +51,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from collections import Counter
-from pathlib import Path
 
 import torch
 
 from ..tree import TokenTree
-from .common import BASELINE, NO_EOS, bench_end_to_end, cpu_name, log, n_params, spinner, torch_threads
+from .common import (
+    BASELINE,
+    NO_EOS,
+    add_run_options,
+    bench_end_to_end,
+    log,
+    n_params,
+    run_meta,
+    spinner,
+    torch_threads,
+)
 from .stdlib_code import pick_functions, task_prompt
 
 __all__ = ["main", "parse_args", "run", "draft_ranks", "simulate", "round_accuracies", "search_tree", "SHAPES"]
@@ -92,15 +100,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="functions in neither set on which every shape's τ is replayed, a check of the\n"
         "choice on more code than the benchmark prompts (default: all the rest of the pool; 0: none)",
     )
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--fn-tokens", type=int, nargs=2, default=[40, 90], help="min and max tokens of a function")
-    p.add_argument(
-        "--no-compile", "--eager", dest="no_compile", action="store_true", help="run the rounds eagerly (a quick check)"
-    )
-    p.add_argument("--repeats", type=int, default=3, help="timed repeats after the warm-up")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    p.add_argument("--seed", type=int, default=0, help="which functions are picked")
-    p.add_argument("--json", type=Path, default=Path("bench_results") / "trees.json", help="where to write results")
+    add_run_options(p, "trees.json")
+    p.set_defaults(repeats=5)  # the shapes' tokens/s differ by less than a 3-repeat median's noise here
     args = p.parse_args(argv)
     args.command = "specfx bench trees " + " ".join(sys.argv[3:] if argv is None else argv)
     if min(args.num_prompts, args.calib_prompts, args.max_new_tokens, args.repeats, args.threads) < 1:
@@ -268,8 +269,6 @@ def main(argv=None) -> int:
 def run(args, target, draft, encode, desc: str) -> int:
     """Benchmark ``draft`` (a causal LM) proposing for ``target`` as chains and trees;
     ``encode(text) -> ids``. Writes ``args.json``; returns the exit status."""
-    import transformers
-
     import specfx
 
     t_start = time.perf_counter()
@@ -351,6 +350,7 @@ def run(args, target, draft, encode, desc: str) -> int:
             row.update(
                 tau=st.tokens_per_round,
                 tokens_per_s=res["tokens_per_s"],
+                times_s=res["times_s"],
                 speedup_vs_hf_dynamic=res.get("speedup_vs_hf_dynamic"),
                 ms_per_round=1e3 * res["median_s"] * args.repeats / max(st.rounds, 1),
                 per_depth_rate=st.per_position_rate,
@@ -379,12 +379,7 @@ def run(args, target, draft, encode, desc: str) -> int:
         max_new_tokens=args.max_new_tokens,
         compiled=not args.no_compile,
         calibration_s=calib_s,
-        versions={m.__name__: m.__version__ for m in (torch, transformers, specfx)}
-        | {"python": platform.python_version()},
-        machine=dict(cpu=cpu_name(), cpus=os.cpu_count(), threads=torch.get_num_threads()),
-        load_avg=dict(start=load_start, end=os.getloadavg()),
-        wall_s=time.perf_counter() - t_start,
-        command=args.command,
+        **run_meta(t_start, load_start, args.command),
     )
     m = meta["machine"]
     print(f"\n{desc}: target {meta['target_params'] / 1e6:.2f} M, draft {meta['draft_params'] / 1e6:.2f} M parameters; "

@@ -149,12 +149,13 @@ def test_bench_trees_task_smoke(one_thread, tmp_path, capsys):
 
     target, draft = tiny_pair("llama", vocab_size=512)
     out = tmp_path / "trees.json"
-    args = trees.parse_args(["--budgets", "4", "8", "--num-prompts", "2", "--calib-prompts", "4", "--holdout-prompts",
+    args = trees.parse_args(["--budgets", "1", "8", "--num-prompts", "2", "--calib-prompts", "4", "--holdout-prompts",
                              "3", "--max-new-tokens", "8", "--repeats", "1", "--eager", "--json", str(out)])  # fmt: skip
     assert trees.run(args, target, draft, lambda s: list(s.encode("utf-8")), "tiny pair") == 0
     report = json.loads(out.read_text())
     rows = report["rows"]
-    assert [(r["budget"], r["shape"]) for r in rows] == [(b, s) for b in (4, 8) for s in trees.SHAPES]
+    assert [(r["budget"], r["shape"]) for r in rows] == [(b, s) for b in (1, 8) for s in trees.SHAPES]
+    assert [r["same_as"] for r in rows[:4]] == [None] + ["chain@1"] * 3  # one node: every shape is the chain
     for r in rows:
         assert r["nodes"] == r["budget"] and 1 <= r["depth"] <= r["nodes"]
         assert all(1.0 <= r[k] <= r["depth"] + 1 for k in ("tau_calibration", "tau_holdout", "tau_replay"))
@@ -162,9 +163,9 @@ def test_bench_trees_task_smoke(one_thread, tmp_path, capsys):
             assert r["status"] == "ok" and 1.0 <= r["tau"] <= r["depth"] + 1
             assert r["tau"] == pytest.approx(r["tau_replay"]) and r["same_tokens_as_hf_dynamic"]
             assert r["tokens_per_s"] > 0 and r["ms_per_round"] > 0
-        else:  # the same tree as an earlier shape at this budget
+        else:  # the same tree as an earlier shape at this budget: not run again
             same = next(x for x in rows if x["method"] == r["same_as"])
-            assert same["budget"] == r["budget"] and same["tree"] == r["tree"]
+            assert same["budget"] == r["budget"] and same["tree"] == r["tree"] and "tau" not in r
     assert report["baseline"]["status"] == "ok" and report["meta"]["compiled"] is False
     assert (report["meta"]["calibration_functions"], report["meta"]["holdout_functions"]) == (4, 3)
     assert {"per_budget", "goal_speed"} <= set(report["summary"])

@@ -301,7 +301,7 @@ def run(args, target, draft, encode, desc: str) -> int:
     bucket = -(-max(p.shape[1] for p in prompts) // 64) * 64
     common = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=pad, **NO_EOS)
     methods = {BASELINE: lambda ids: target.generate(ids, attention_mask=torch.ones_like(ids), **common)}
-    specs, rows = {}, []  # rows: (budget, shape, tree, method name or None, same as)
+    specs, rows = {}, []  # rows: (budget, shape, tree, the generator that runs it, same as)
     for b, by_shape in shapes.items():
         seen: dict[TokenTree, str] = {}
         for shape, tree in by_shape.items():
@@ -339,13 +339,13 @@ def run(args, target, draft, encode, desc: str) -> int:
     for b, shape, tree, name, same_as in rows:
         res, spec = results[name], specs[name]
         row = dict(
-            budget=b, shape=shape, method=name, same_as=same_as, nodes=tree.size, depth=tree.depth,
+            budget=b, shape=shape, method=f"{shape}@{b}", same_as=same_as, nodes=tree.size, depth=tree.depth,
             tree=[list(n) for n in tree.nodes], status=res["status"],
             tau_calibration=simulate(tree, calib), tau_replay=simulate(tree, bench_ranks),
             tau_holdout=simulate(tree, holdout) if holdout else None,
-            compile_s=compile_s.get(name),
+            compile_s=None if same_as else compile_s.get(name),
         )  # fmt: skip
-        if res["status"] == "ok":
+        if same_as is None and res["status"] == "ok":  # a repeated tree's row only names its first
             st = spec.cumulative_stats
             row.update(
                 tau=st.tokens_per_round,
@@ -356,7 +356,7 @@ def run(args, target, draft, encode, desc: str) -> int:
                 per_depth_rate=st.per_position_rate,
                 same_tokens_as_hf_dynamic=res["same_tokens_as_hf_dynamic"],
             )
-        else:
+        elif same_as is None:
             row["reason"] = res["reason"]
         table.append(row)
     summary = compare(table, results[BASELINE])

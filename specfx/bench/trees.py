@@ -10,7 +10,8 @@ prompts (batch 1, one after another), the same number of new tokens, greedy, fp3
                       acceptance model (rank r accepted with 0.6 * 0.4**r at every depth), uncalibrated
     accuracies@B      tree=TokenTree.from_accuracies(acc, budget=B, max_depth=B, branching=4), acc
                       measured on the calibration split (below): Medusa's and EAGLE's recipe
-    search@B          the B-node tree with the highest τ on the calibration split (a local search)
+    search@B          the B-node tree with the highest τ on the calibration split (beam search
+                      and hill climbing)
 
 A shape whose tree equals an earlier shape's at the same budget is listed with "= that shape"
 and not run twice (e.g. ``accuracies@4`` is often the chain of 4).
@@ -33,9 +34,11 @@ handful of prompts makes it noisy.
   fraction in which the target's token at depth d is the draft's rank-r token. Measured at
   round starts, not at every position: a round starts just after the draft was wrong, where
   it is wrong more often than on average (depths with fewer than 20 rounds use all depths).
-* ``search``: hill climbing on the replayed calibration τ from the best of the chain, the
-  ``accuracies`` tree and a tree grown one best node at a time; a move removes one leaf and
-  adds one node (children with contiguous ranks < 4 only) and is taken if τ grows.
+* ``search``: on the replayed calibration τ, a beam search grows trees one node at a time
+  (children with contiguous ranks < 4 only), keeping the 16 best of each size; then hill
+  climbing from the best of those, the chain and the ``accuracies`` tree: a move removes one
+  leaf and adds one node, and is taken while τ grows. (It finds the best of all 1430 trees
+  of 8 nodes on the demo pair's calibration split; a tree of 16 has no exhaustive check.)
 
 Timing and checks are :func:`specfx.bench.common.bench_end_to_end`'s (warm-up, interleaved
 repeats, medians, token-for-token comparison with hf_dynamic; exit status 1 if one differs).

@@ -144,9 +144,64 @@ def test_bench_selfspec_task_smoke(one_thread, tmp_path, capsys):
     assert all(r["status"] == "ok" and r["same_tokens_as_hf_dynamic"] for r in results.values())
 
 
+def test_bench_trees_task_smoke(one_thread, tmp_path, capsys):
+    import specfx.bench.trees as trees
+
+    target, draft = tiny_pair("llama", vocab_size=512)
+    out = tmp_path / "trees.json"
+    args = trees.parse_args(["--budgets", "1", "8", "--num-prompts", "2", "--calib-prompts", "4", "--holdout-prompts",
+                             "3", "--max-new-tokens", "8", "--repeats", "1", "--eager", "--json", str(out)])  # fmt: skip
+    assert trees.run(args, target, draft, lambda s: list(s.encode("utf-8")), "tiny pair") == 0
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    assert [(r["budget"], r["shape"]) for r in rows] == [(b, s) for b in (1, 8) for s in trees.SHAPES]
+    assert [r["same_as"] for r in rows[:4]] == [None] + ["chain@1"] * 3  # one node: every shape is the chain
+    for r in rows:
+        assert r["nodes"] == r["budget"] and 1 <= r["depth"] <= r["nodes"]
+        assert all(1.0 <= r[k] <= r["depth"] + 1 for k in ("tau_calibration", "tau_holdout", "tau_replay"))
+        if r["same_as"] is None:  # run: τ in range, equal to the rank replay, tokens equal HF's
+            assert r["status"] == "ok" and 1.0 <= r["tau"] <= r["depth"] + 1
+            assert r["tau"] == pytest.approx(r["tau_replay"]) and r["same_tokens_as_hf_dynamic"]
+            assert r["tokens_per_s"] > 0 and r["ms_per_round"] > 0
+        else:  # the same tree as an earlier shape at this budget: not run again
+            same = next(x for x in rows if x["method"] == r["same_as"])
+            assert same["budget"] == r["budget"] and same["tree"] == r["tree"] and "tau" not in r
+    assert report["baseline"]["status"] == "ok" and report["meta"]["compiled"] is False
+    assert (report["meta"]["calibration_functions"], report["meta"]["holdout_functions"]) == (4, 3)
+    assert {"per_budget", "goal_speed"} <= set(report["summary"])
+    printed = capsys.readouterr().out
+    assert "| 8 | search |" in printed and "best tree >= best chain in tokens/s" in printed
+
+
+def all_trees(n: int, prefix=()) -> list[list[tuple]]:
+    """Every tree of ``n`` nodes below ``prefix`` with contiguous child ranks (as node lists)."""
+    if n == 0:
+        return [[]]
+    out = []
+    for k in range(1, n + 1):  # the first child's subtree has k nodes, its later siblings n - k
+        for below in all_trees(k - 1, prefix + (0,)):
+            for rest in all_trees(n - k, prefix):
+                shifted = [prefix + (node[len(prefix)] + 1,) + node[len(prefix) + 1 :] for node in rest]
+                out.append([prefix + (0,), *below, *shifted])
+    return out
+
+
+def test_tree_search_finds_the_best_small_tree():
+    from specfx.bench.trees import search_tree, simulate
+    from specfx.tree import TokenTree
+
+    g = torch.Generator().manual_seed(0)
+    ranks = [torch.multinomial(torch.tensor([0.6, 0.25, 0.1, 0.05]), 40, True, generator=g).tolist() for _ in range(8)]
+    candidates = [TokenTree(nodes) for nodes in all_trees(4)]
+    assert len(candidates) == 14 and len(set(candidates)) == 14
+    best = max(simulate(t, ranks) for t in candidates)
+    found = search_tree(4, ranks)
+    assert found.size == 4 and simulate(found, ranks) == pytest.approx(best)
+
+
 # ----------------------------------------------------------------------------- help and plots
 @pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["bench", "--help"], ["bench", "drafters", "--help"],
-                                  ["bench", "selfspec", "--help"]])  # fmt: skip
+                                  ["bench", "selfspec", "--help"], ["bench", "trees", "--help"]])  # fmt: skip
 def test_help_is_plain_text(argv, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)

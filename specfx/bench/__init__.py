@@ -7,6 +7,8 @@ Tasks (``specfx bench [TASK] --help``):
     drafters   prompt lookup (fixed K and "auto") against HF's prompt lookup on code from the
                standard library (:mod:`specfx.bench.drafters`)
     selfspec   early exit and MTP heads against HF's equivalents (:mod:`specfx.bench.selfspec`)
+    trees      token trees against chains at the same verification budget, demo pair
+               (:mod:`specfx.bench.trees`)
 
 A tool beside the library: ``import specfx`` does not import this package (nor tqdm's bars or
 matplotlib, which :mod:`specfx.bench.plot` needs only when it draws).
@@ -18,7 +20,7 @@ import sys
 
 __all__ = ["main", "TASKS"]
 
-TASKS = ("drafters", "selfspec")
+TASKS = ("drafters", "selfspec", "trees")
 
 
 def main(argv=None) -> int:
@@ -28,6 +30,8 @@ def main(argv=None) -> int:
         from .drafters import main as task_main
     elif argv[:1] == ["selfspec"]:
         from .selfspec import main as task_main
+    elif argv[:1] == ["trees"]:
+        from .trees import main as task_main
     else:
         from .core import main as core_main
 

@@ -15,6 +15,7 @@ from the assistant's ``generation_config``, are set only for the duration of one
 
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 import sys
@@ -29,6 +30,7 @@ import torch
 __all__ = [
     "BASELINE",
     "NO_EOS",
+    "add_run_options",
     "bench_end_to_end",
     "cpu_name",
     "first_mismatch",
@@ -40,6 +42,7 @@ __all__ = [
     "n_params",
     "run_all",
     "run_batches",
+    "run_meta",
     "spinner",
     "sync_fn",
     "time_method",
@@ -263,3 +266,35 @@ def bench_end_to_end(args, methods, prompts, after_warmup: Callable[[], None] = 
         for name in live:
             results[name]["speedup_vs_hf_dynamic"] = results[BASELINE]["median_s"] / results[name]["median_s"]
     return results
+
+
+def add_run_options(p, json_name: str) -> None:
+    """The options the per-prompt tasks (``drafters``, ``selfspec``, ``trees``) share, added to
+    the argparse parser ``p``; results go to ``bench_results/<json_name>`` by default."""
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--fn-tokens", type=int, nargs=2, default=[40, 90], help="min and max tokens of a function")
+    p.add_argument(
+        "--no-compile", "--eager", dest="no_compile", action="store_true", help="run specfx eagerly (a quick check)"
+    )
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats after the warm-up")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--seed", type=int, default=0, help="which functions are picked")
+    p.add_argument("--json", type=Path, default=Path("bench_results") / json_name, help="where to write results")
+
+
+def run_meta(t_start: float, load_start, command: str) -> dict:
+    """What every task's JSON records about its run: versions, machine, load average at start
+    (``load_start``, from ``os.getloadavg()``) and now, wall time since ``t_start``
+    (``time.perf_counter()``) and the command."""
+    import transformers
+
+    import specfx
+
+    return dict(
+        versions={m.__name__: m.__version__ for m in (torch, transformers, specfx)}
+        | {"python": platform.python_version()},
+        machine=dict(cpu=cpu_name(), cpus=os.cpu_count(), threads=torch.get_num_threads()),
+        load_avg=dict(start=load_start, end=os.getloadavg()),
+        wall_s=time.perf_counter() - t_start,
+        command=command,
+    )

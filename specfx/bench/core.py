@@ -90,7 +90,8 @@ __all__ = ["main", "parse_args", "run", "load_models", "DESCRIPTION"]
 DESCRIPTION = (
     "specfx against Hugging Face generation, side by side in one process (the default task).\n"
     "Other tasks: 'specfx bench drafters --help' (prompt lookup and adaptive K against HF's\n"
-    "prompt lookup), 'specfx bench selfspec --help' (early exit and MTP heads against HF's)."
+    "prompt lookup), 'specfx bench selfspec --help' (early exit and MTP heads against HF's),\n"
+    "'specfx bench trees --help' (token trees against chains at the same verification budget)."
 )
 NAMED_DRAFTERS = ("prompt_lookup", "early_exit", "mtp")
 

@@ -35,15 +35,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from collections import Counter
-from pathlib import Path
 
 import torch
 
-from .common import BASELINE, NO_EOS, bench_end_to_end, cpu_name, log, n_params, torch_threads
+from .common import (
+    BASELINE,
+    NO_EOS,
+    add_run_options,
+    bench_end_to_end,
+    log,
+    n_params,
+    run_meta,
+    torch_threads,
+)
 from .stdlib_code import default_target, load_target, pick_functions, task_prompt
 
 __all__ = ["main", "parse_args", "hf_forwards"]
@@ -67,16 +74,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--tasks", nargs="+", default=["edit", "complete"], choices=("edit", "complete"))
     p.add_argument("--num-prompts", type=int, default=6, help="prompts per task, each run at batch 1")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--fn-tokens", type=int, nargs=2, default=[40, 90], help="min and max tokens of a function")
     p.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8], help="fixed K values (specfx and HF)")
     p.add_argument("--auto-values", type=int, nargs="+", default=[1, 2, 4, 8], help="auto_k_values of specfx_auto")
     p.add_argument("--max-ngram", type=int, default=3, help="PromptLookup max_ngram = HF max_matching_ngram_size")
-    p.add_argument("--no-compile", action="store_true", help="run the specfx generators eagerly (a quick check)")
-    p.add_argument("--repeats", type=int, default=3, help="timed repeats after the warm-up")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    p.add_argument("--seed", type=int, default=0, help="which functions are picked")
-    p.add_argument("--json", type=Path, default=Path("bench_results") / "drafters.json", help="where to write results")
+    add_run_options(p, "drafters.json")
     args = p.parse_args(argv)
     args.command = "specfx bench drafters " + " ".join(sys.argv[3:] if argv is None else argv)
     if min(args.num_prompts, args.max_new_tokens, args.repeats, args.threads, *args.ks, *args.auto_values) < 1:
@@ -222,10 +223,6 @@ def main(argv=None) -> int:
 
 
 def run(args, target, encode, desc: str) -> int:
-    import transformers
-
-    import specfx
-
     t_start = time.perf_counter()
     load_start = os.getloadavg()
     print(f"specfx bench drafters: {desc}; float32, {torch.get_num_threads()} torch thread(s)", flush=True)
@@ -270,12 +267,7 @@ def run(args, target, encode, desc: str) -> int:
         max_new_tokens=args.max_new_tokens,
         max_ngram=args.max_ngram,
         auto_values=args.auto_values,
-        versions={m.__name__: m.__version__ for m in (torch, transformers, specfx)}
-        | {"python": platform.python_version()},
-        machine=dict(cpu=cpu_name(), cpus=os.cpu_count(), threads=torch.get_num_threads()),
-        load_avg=dict(start=load_start, end=os.getloadavg()),
-        wall_s=time.perf_counter() - t_start,
-        command=args.command,
+        **run_meta(t_start, load_start, args.command),
     )
     m = meta["machine"]
     print(f"\ntarget: {desc}, {meta['target_params'] / 1e6:.2f} M parameters; {m['cpu']}, {m['threads']} thread(s)")

@@ -37,16 +37,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
 from ..early_exit import decoder_layer_names
-from .common import BASELINE, NO_EOS, bench_end_to_end, cpu_name, hf_assisted, log, n_params, torch_threads
+from .common import (
+    BASELINE,
+    NO_EOS,
+    add_run_options,
+    bench_end_to_end,
+    hf_assisted,
+    log,
+    n_params,
+    run_meta,
+    torch_threads,
+)
 from .stdlib_code import default_target, load_target, pick_functions, task_prompt
 
 __all__ = ["main", "parse_args", "random_mtp_checkpoint"]
@@ -76,13 +84,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--k", type=int, default=4, help="K of the early-exit methods (HF and specfx)")
     p.add_argument("--ks", type=int, nargs="+", default=[3], help="extra K values of specfx MTP (chained layers)")
     p.add_argument("--num-prompts", type=int, default=4)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--fn-tokens", type=int, nargs=2, default=[40, 90], help="min and max tokens of a function")
-    p.add_argument("--no-compile", action="store_true", help="run the specfx generators eagerly (a quick check)")
-    p.add_argument("--repeats", type=int, default=3, help="timed repeats after the warm-up")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    p.add_argument("--seed", type=int, default=0, help="which functions are picked")
-    p.add_argument("--json", type=Path, default=Path("bench_results") / "selfspec.json", help="where to write results")
+    add_run_options(p, "selfspec.json")
     args = p.parse_args(argv)
     args.command = "specfx bench selfspec " + " ".join(sys.argv[3:] if argv is None else argv)
     if min(args.k, args.num_prompts, args.max_new_tokens, args.repeats, args.threads, *args.ks, *args.exit_layers) < 1:
@@ -236,10 +238,6 @@ def main(argv=None) -> int:
 
 
 def run(args) -> int:
-    import transformers
-
-    import specfx
-
     print(f"specfx bench selfspec: float32, {torch.get_num_threads()} torch thread(s)", flush=True)
     t_start = time.perf_counter()
     load_start = os.getloadavg()
@@ -275,12 +273,7 @@ def run(args) -> int:
     meta.update(
         max_new_tokens=args.max_new_tokens,
         k=args.k,
-        versions={m.__name__: m.__version__ for m in (torch, transformers, specfx)}
-        | {"python": platform.python_version()},
-        machine=dict(cpu=cpu_name(), cpus=os.cpu_count(), threads=torch.get_num_threads()),
-        load_avg=dict(start=load_start, end=os.getloadavg()),
-        wall_s=time.perf_counter() - t_start,
-        command=args.command,
+        **run_meta(t_start, load_start, args.command),
     )
     print(f"\n{meta['machine']['cpu']}, {meta['machine']['threads']} thread(s); total {meta['wall_s']:.0f} s; "
           f"load average {load_start[0]:.2f} at start, {meta['load_avg']['end'][0]:.2f} at end")  # fmt: skip

@@ -225,6 +225,46 @@ def prefill_step(target, drafter, state: RoundState, ids: torch.Tensor, vocab: i
     return first
 
 
+def truncate(s: RoundState, out: torch.Tensor, n_accepted: torch.Tensor, active: torch.Tensor):
+    """Cut a round's ``out [B, W]`` (accepted tokens, then the correction/bonus) at the length
+    limit and at the first EOS; rows already finished emit nothing. Returns ``(out, n [B],
+    emitted [B, W], done [B])``: out with PLACEHOLDER past n, the emitted count, its mask, and
+    which rows finish with this round."""
+    idx = torch.arange(out.shape[1], device=out.device).unsqueeze(0)
+    remaining = s.gen_end - (s.lengths + 1)  # tokens a row may still add
+    n = torch.minimum(n_accepted + 1, remaining)
+    eos_hit = (out.unsqueeze(-1) == s.eos_ids).any(dim=-1) & (idx < n.unsqueeze(1))
+    has_eos = eos_hit.any(dim=1)
+    n = torch.where(has_eos, eos_hit.int().argmax(dim=1) + 1, n)
+    n = torch.where(active, n, 0)
+    emitted = idx < n.unsqueeze(1)
+    return torch.where(emitted, out, PLACEHOLDER), n, emitted, active & (has_eos | (n >= remaining))
+
+
+def commit(s: RoundState, out: torch.Tensor, n: torch.Tensor, emitted: torch.Tensor, done: torch.Tensor) -> None:
+    """Append the emitted tokens after each row's pending token and advance the row."""
+    idx = torch.arange(out.shape[1], device=out.device).unsqueeze(0)
+    write = (s.lengths.unsqueeze(1) + 1 + idx).clamp(max=s.tokens.shape[1] - 1)
+    s.tokens.scatter_(1, write, torch.where(emitted, out, s.tokens.gather(1, write)))
+    s.seen.scatter_add_(1, out, emitted.int())
+    s.finished.copy_(s.finished | done)
+    s.lengths.add_(n)
+
+
+def record(s: RoundState, active: torch.Tensor, proposed: int, n_accepted: torch.Tensor, n: torch.Tensor, depth: int) -> None:
+    """Device-side statistics (read once per generate call): ``proposed`` proposals per active
+    row, ``n_accepted [B]`` of them on the accepted path, ``n [B]`` emitted, and per position
+    (depth) ``1..depth`` whether the accepted path reached it."""
+    act = active.long()
+    s.rounds.add_(act.amax())
+    s.proposed.add_(act * proposed)
+    s.accepted.add_(act * n_accepted)
+    s.emitted.add_(n)
+    s.row_rounds.add_(act)
+    reached = torch.arange(depth, device=n.device).unsqueeze(0) < n_accepted.unsqueeze(1)
+    s.per_position[:depth].add_((reached & active.unsqueeze(1)).long().sum(dim=0))
+
+
 def round_step(target, drafter, state: RoundState, k: int, vocab: int, sample: bool, collect: bool = False):
     """One speculative round for every row; finished rows are carried along unchanged.
 
@@ -257,35 +297,14 @@ def round_step(target, drafter, state: RoundState, k: int, vocab: int, sample: b
     else:
         out, n_accepted = greedy_verify(scores, proposals)
 
-    # Truncate at the length limit and at the first EOS; freeze finished rows.
-    idx = torch.arange(k + 1, device=ids.device).unsqueeze(0)
-    remaining = s.gen_end - (lengths + 1)  # tokens a row may still add
-    n = torch.minimum(n_accepted + 1, remaining)
-    eos_hit = (out.unsqueeze(-1) == s.eos_ids).any(dim=-1) & (idx < n.unsqueeze(1))
-    has_eos = eos_hit.any(dim=1)
-    n = torch.where(has_eos, eos_hit.int().argmax(dim=1) + 1, n)
-    n = torch.where(active, n, 0)
-    emitted = idx < n.unsqueeze(1)  # [B, K+1]
-    out = torch.where(emitted, out, PLACEHOLDER)
+    out, n, emitted, done = truncate(s, out, n_accepted, active)
     if sample:  # HF raises when it samples from a NaN distribution; flag it for the host's next read
         s.invalid.copy_(s.invalid | (p.isnan().any(dim=-1) & emitted).any(dim=1))
 
-    write = (lengths.unsqueeze(1) + 1 + idx).clamp(max=s.tokens.shape[1] - 1)
-    s.tokens.scatter_(1, write, torch.where(emitted, out, s.tokens.gather(1, write)))
-    s.seen.scatter_add_(1, out, emitted.int())
-    s.finished.copy_(s.finished | (active & (has_eos | (n >= remaining))))
-    s.lengths.add_(n)
+    commit(s, out, n, emitted, done)
     if hidden is not None:
         drafter.observe(ctx, hidden, pos, pos)  # after the emitted tokens are committed
-
-    # statistics (device-side; read once per generate call)
-    act = active.long()
-    s.rounds.add_(act.amax())
-    s.proposed.add_(act * k)
-    s.accepted.add_(act * n_accepted)
-    s.emitted.add_(n)
-    s.row_rounds.add_(act)
-    s.per_position[:k].add_(((idx[:, :k] < n_accepted.unsqueeze(1)) & active.unsqueeze(1)).long().sum(dim=0))
+    record(s, active, k, n_accepted, n, k)
     if collect:
         return out, n, scores, logits.float()
     return out, n

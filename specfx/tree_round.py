@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from .masks import TreeView
-from .sampling import PLACEHOLDER, _emit, sample_from, uniform
+from .sampling import _emit, sample_from, uniform
 from .tree import TokenTree, TreeTensors
 
 __all__ = ["draft_levels", "draft_tree", "level_inputs", "tree_accept", "tree_round_step", "tree_view"]
@@ -149,7 +149,7 @@ def tree_round_step(target, drafter, state, tree: TokenTree, vocab: int, sample:
     with ``collect`` also the processed scores and raw logits each emitted token was chosen
     from, ``[B, D+1, V]`` each (the root's, then the accepted path's nodes').
     """
-    from .round import RoundContext  # round.py imports this module's step
+    from .round import RoundContext, commit, record, truncate  # round.py is imported first
 
     s = state
     s.counter.add_(1)
@@ -177,41 +177,20 @@ def tree_round_step(target, drafter, state, tree: TokenTree, vocab: int, sample:
     n_accepted = tt.depth.expand(b, -1).gather(1, stop.unsqueeze(1)).squeeze(1)  # [B]
     out = _emit(ids.gather(1, path)[:, 1:], n_accepted, last)  # [B, D+1]
 
-    # Truncate at the length limit and at the first EOS; freeze finished rows (as round_step).
-    idx = torch.arange(d + 1, device=ids.device).unsqueeze(0)
-    remaining = s.gen_end - (lengths + 1)
-    n_emit = torch.minimum(n_accepted + 1, remaining)
-    eos_hit = (out.unsqueeze(-1) == s.eos_ids).any(dim=-1) & (idx < n_emit.unsqueeze(1))
-    has_eos = eos_hit.any(dim=1)
-    n_emit = torch.where(has_eos, eos_hit.int().argmax(dim=1) + 1, n_emit)
-    n_emit = torch.where(active, n_emit, 0)
-    emitted = idx < n_emit.unsqueeze(1)
-    out = torch.where(emitted, out, PLACEHOLDER)
+    out, n_emit, emitted, done = truncate(s, out, n_accepted, active)
     if sample:
         at_path = p.gather(1, path.unsqueeze(-1).expand(-1, -1, vocab))  # [B, D+1, V]
         s.invalid.copy_(s.invalid | (at_path.isnan().any(dim=-1) & emitted).any(dim=1))
 
     # The accepted path's KV: scratch slots L + path[i] -> committed slots L + i (i = 1..m).
-    depth_ids = idx[:, 1:]  # [1, D]
+    depth_ids = torch.arange(1, d + 1, device=ids.device).unsqueeze(0)  # [1, D]
     moved = depth_ids <= torch.where(active, n_accepted, 0).unsqueeze(1)
     dst = lengths.unsqueeze(1) + depth_ids
     src = torch.where(moved, lengths.unsqueeze(1) + path[:, 1:], dst)
     target.cache.move(src, dst)
     drafter.commit_tree(src, dst)
-
-    write = (lengths.unsqueeze(1) + 1 + idx).clamp(max=s.tokens.shape[1] - 1)
-    s.tokens.scatter_(1, write, torch.where(emitted, out, s.tokens.gather(1, write)))
-    s.seen.scatter_add_(1, out, emitted.int())
-    s.finished.copy_(s.finished | (active & (has_eos | (n_emit >= remaining))))
-    s.lengths.add_(n_emit)
-
-    act = active.long()
-    s.rounds.add_(act.amax())
-    s.proposed.add_(act * n)
-    s.accepted.add_(act * n_accepted)
-    s.emitted.add_(n_emit)
-    s.row_rounds.add_(act)
-    s.per_position[:d].add_(((depth_ids <= n_accepted.unsqueeze(1)) & active.unsqueeze(1)).long().sum(dim=0))
+    commit(s, out, n_emit, emitted, done)
+    record(s, active, n, n_accepted, n_emit, d)
     if collect:
         take = path.unsqueeze(-1).expand(-1, -1, vocab)
         return out, n_emit, scores.gather(1, take), logits.float().gather(1, take)

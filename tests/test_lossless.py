@@ -199,3 +199,30 @@ def test_negative_control_tree_residual_not_renormalised(monkeypatch):
     samples, stats = _tree_samples(target, draft, BRANCHES)
     _assert_both_paths_at_several_depths(stats)
     assert _chisquare(samples, probs) < 1e-6
+
+
+def test_negative_control_tree_siblings_not_renormalised(monkeypatch):
+    """The issue's negative control: children accepted with their probability under the
+    distribution they were *drafted* from (p at the node, as if each sibling were the only
+    proposal) instead of p renormalised after the earlier siblings' rejections. Every later
+    sibling is then under-accepted, and the chi-square fails by far."""
+
+    def independent_siblings(scores, tokens, tree, sample, u_accept=None, u_residual=None):
+        b, n1, v = scores.shape
+        parent = tree.parent.expand(b, -1)[:, 1:]
+        p = scores.softmax(dim=-1)
+        p_node = p.reshape(b, n1 * v).gather(1, parent * v + tokens[:, 1:])  # [B, N]
+        cur = torch.zeros(b, dtype=torch.long)
+        for n in range(1, n1):
+            cur = torch.where((parent[:, n - 1] == cur) & (u_accept[:, n - 1] < p_node[:, n - 1]), n, cur)
+        at_stop = p.gather(1, cur.view(b, 1, 1).expand(b, 1, v)).squeeze(1)
+        kids = (parent == cur.unsqueeze(1)).to(p.dtype)
+        removed = torch.zeros_like(at_stop).scatter_add(1, tokens[:, 1:], kids) > 0
+        return cur, sample_from(at_stop.masked_fill(removed, 0.0), u_residual), p
+
+    monkeypatch.setattr(tree_round, "tree_accept", independent_siblings)
+    target, draft = _models()
+    probs = _exact(target, [1, 4, 2], LogitsProcessorList())
+    samples, stats = _tree_samples(target, draft, BRANCHES)
+    _assert_both_paths_at_several_depths(stats)
+    assert _chisquare(samples, probs) < 1e-6

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from .graph_utils import mark_static
 from .sampling import PLACEHOLDER, greedy_verify, process_logits, rejection_verify, sample_from, uniform
@@ -289,8 +288,6 @@ def round_step(target, drafter, state: RoundState, k: int, vocab: int, sample: b
     scores = ctx.process(logits, 0, list(proposals.split(1, dim=1)))
     if sample:
         p = scores.softmax(dim=-1)
-        if q is None:  # a deterministic drafter: q is one-hot on its proposals
-            q = F.one_hot(proposals, vocab).to(p.dtype)
         out, n_accepted = rejection_verify(
             p, q, proposals, ctx.uniform(_STREAM_ACCEPT, proposals.shape), ctx.uniform(_STREAM_RESAMPLE, p.shape)
         )

@@ -166,12 +166,13 @@ def greedy_verify(target_scores: torch.Tensor, proposals: torch.Tensor):
 
 def rejection_verify(
     p: torch.Tensor,  # [B, K+1, V] target probabilities
-    q: torch.Tensor,  # [B, K, V] probabilities the drafter sampled each proposal from
+    q: torch.Tensor | None,  # [B, K, V] probabilities the drafter sampled each proposal from; None: one-hot
     proposals: torch.Tensor,  # [B, K]
     u_accept: torch.Tensor,  # [B, K] uniforms
     u_resample: torch.Tensor,  # [B, K+1, V] uniforms
 ):
-    """Lossless speculative sampling (Leviathan et al. / Chen et al.).
+    """Lossless speculative sampling (Leviathan et al. / Chen et al.); ``q=None`` for a
+    deterministic drafter (prompt lookup), whose q is one-hot on its proposals.
 
     Accept proposal x with probability min(1, p(x)/q(x)) via the strict test ``u·q(x) < p(x)``
     (a token with p(x) = 0 is never accepted); at the first rejection sample the correction
@@ -181,10 +182,16 @@ def rejection_verify(
     k = proposals.shape[1]
     idx = proposals.unsqueeze(-1)
     p_x = p[:, :k].gather(-1, idx).squeeze(-1)
-    q_x = q.gather(-1, idx).squeeze(-1)
-    accept = u_accept * q_x < p_x
+    if q is None:
+        # A deterministic drafter (q one-hot on the proposal), without building [B, K, V]:
+        # u * 1 < p(x), and max(0, p - one_hot(x)) is p with p(x) set to 0, bit for bit.
+        accept = u_accept < p_x
+        corrected = p[:, :k].scatter(-1, idx, 0.0)
+    else:
+        accept = u_accept * q.gather(-1, idx).squeeze(-1) < p_x
+        corrected = (p[:, :k] - q).clamp_min(0)
     n_accepted = accept.long().cumprod(dim=1).sum(dim=1)
-    residual = torch.cat([(p[:, :k] - q).clamp_min(0), p[:, k:]], dim=1)  # [B, K+1, V]
+    residual = torch.cat([corrected, p[:, k:]], dim=1)  # [B, K+1, V]
     # p == q up to rounding leaves nothing to resample from; that position is then never
     # rejected in exact arithmetic, so falling back to p changes no probability.
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)

@@ -191,3 +191,20 @@ def test_min_new_tokens_masks_eos_only_early():
     assert out[0, 0, 2].isinf() and out[0, 1, 4].isinf()
     assert not out[0, 2].isinf().any()
     assert not out[0, :, [0, 1, 3, 5]].isinf().any()
+
+
+def test_deterministic_drafter_q_none_equals_one_hot_q():
+    """q=None (a deterministic drafter) takes the same decisions and draws, bit for bit, as an
+    explicit one-hot q [B, K, V], without building it."""
+    g = torch.Generator().manual_seed(0)
+    b, k, v = 64, 4, 11
+    p = torch.rand(b, k + 1, v, generator=g) ** 3
+    p = p / p.sum(-1, keepdim=True)
+    proposals = torch.randint(0, v, (b, k), generator=g)
+    s = torch.tensor(7)
+    ua = uniform(s, torch.tensor(1), 1, proposals.shape)
+    ur = uniform(s, torch.tensor(1), 2, p.shape)
+    with_q = rejection_verify(p, torch.nn.functional.one_hot(proposals, v).float(), proposals, ua, ur)
+    without = rejection_verify(p, None, proposals, ua, ur)
+    assert torch.equal(with_q[0], without[0]) and torch.equal(with_q[1], without[1])
+    assert 0 < int(without[1].sum()) < b * k  # acceptances and rejections both happen

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from .runner import ModelRunner
+from .tree_round import draft_tree, level_inputs, tree_view
 
 __all__ = [
     "Drafter",
@@ -178,8 +179,6 @@ class DraftModel(Drafter):
     def propose_tree(self, ctx):
         # Level by level: all nodes of one depth in one forward, each in its scratch slot
         # L + n at position L + depth, seeing the committed prefix and its own ancestors.
-        from .tree_round import draft_tree, level_inputs, tree_view
-
         def step(queries, tokens):
             return self.runner.forward(*level_inputs(ctx, queries, tokens), tree=tree_view(ctx, queries))
 

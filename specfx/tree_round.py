@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from .masks import TreeView
+from .round import RoundContext, commit, record, truncate
 from .sampling import _emit, sample_from, uniform
 from .tree import TokenTree, TreeTensors
 
@@ -43,9 +44,11 @@ def draft_tree(ctx, root_logits: torch.Tensor, step) -> torch.Tensor:
     columns: list[torch.Tensor | None] = [pending] + [None] * tree.size
     zero = torch.zeros_like(pending)
 
+    def drafted() -> torch.Tensor:  # [B, N+1]: the pending token, the nodes so far, 0 elsewhere
+        return torch.cat([c if c is not None else zero for c in columns], dim=1)
+
     def expand(queries: tuple[int, ...], logits: torch.Tensor) -> None:
-        tokens = torch.cat([c if c is not None else zero for c in columns], dim=1)
-        scores = ctx.process_nodes(logits, queries, tokens)  # [B, T, V]
+        scores = ctx.process_nodes(logits, queries, drafted())  # [B, T, V]
         children = [[m for m in range(1, tree.size + 1) if parents[m] == q] for q in queries]
         width = 1 + max(ranks[m - 1] for kids in children for m in kids)
         top = scores.topk(width, dim=-1).indices  # [B, T, width]
@@ -55,7 +58,7 @@ def draft_tree(ctx, root_logits: torch.Tensor, step) -> torch.Tensor:
 
     expand((0,), root_logits)
     for queries in draft_levels(tree):
-        expand(queries, step(queries, torch.cat([c if c is not None else zero for c in columns], dim=1)))
+        expand(queries, step(queries, drafted()))
     return torch.cat(columns[1:], dim=1)
 
 
@@ -149,8 +152,6 @@ def tree_round_step(target, drafter, state, tree: TokenTree, vocab: int, sample:
     with ``collect`` also the processed scores and raw logits each emitted token was chosen
     from, ``[B, D+1, V]`` each (the root's, then the accepted path's nodes').
     """
-    from .round import RoundContext, commit, record, truncate  # round.py is imported first
-
     s = state
     s.counter.add_(1)
     ctx = RoundContext(s, tree.size, vocab, sample, tree=tree)

@@ -182,6 +182,17 @@ def test_tree_with_duplicate_tokens_matches_exact_distribution():
     assert _chisquare(samples, probs) > 1e-3
 
 
+def _assert_walk_fails_chisquare(monkeypatch, walk):
+    """With ``walk`` in place of the tree round's acceptance, the three-branch tree's samples
+    (accepted at several depths) fail the chi-square by far: the test has power against it."""
+    monkeypatch.setattr(tree_round, "tree_accept", walk)
+    target, draft = _models()
+    probs = _exact(target, [1, 4, 2], LogitsProcessorList())
+    samples, stats = _tree_samples(target, draft, BRANCHES)
+    _assert_both_paths_at_several_depths(stats)
+    assert _chisquare(samples, probs) < 1e-6
+
+
 def test_negative_control_tree_residual_not_renormalised(monkeypatch):
     """The tree test has power: the same walk, but with the token after the accepted path drawn
     from the target's distribution at the stop node without removing the children rejected
@@ -193,12 +204,7 @@ def test_negative_control_tree_residual_not_renormalised(monkeypatch):
         return stop, sample_from(at_stop, u_residual), p
 
     real = tree_round.tree_accept
-    monkeypatch.setattr(tree_round, "tree_accept", biased)
-    target, draft = _models()
-    probs = _exact(target, [1, 4, 2], LogitsProcessorList())
-    samples, stats = _tree_samples(target, draft, BRANCHES)
-    _assert_both_paths_at_several_depths(stats)
-    assert _chisquare(samples, probs) < 1e-6
+    _assert_walk_fails_chisquare(monkeypatch, biased)
 
 
 def test_negative_control_tree_siblings_not_renormalised(monkeypatch):
@@ -220,9 +226,4 @@ def test_negative_control_tree_siblings_not_renormalised(monkeypatch):
         removed = torch.zeros_like(at_stop).scatter_add(1, tokens[:, 1:], kids) > 0
         return cur, sample_from(at_stop.masked_fill(removed, 0.0), u_residual), p
 
-    monkeypatch.setattr(tree_round, "tree_accept", independent_siblings)
-    target, draft = _models()
-    probs = _exact(target, [1, 4, 2], LogitsProcessorList())
-    samples, stats = _tree_samples(target, draft, BRANCHES)
-    _assert_both_paths_at_several_depths(stats)
-    assert _chisquare(samples, probs) < 1e-6
+    _assert_walk_fails_chisquare(monkeypatch, independent_siblings)

@@ -44,8 +44,9 @@ class Drafter:
     """Interface. ``ctx`` is the :class:`specfx.round.RoundContext` of the running round."""
 
     name = "drafter"
-    # True: the round also returns the target's last hidden states and calls observe() with them
-    needs_hidden = False
+    # The target hidden states the drafter reads (see specfx.taps): () for none; else the round
+    # asks the target's forward for these taps and calls observe() with them, in this order.
+    taps: tuple[str, ...] = ()
 
     def bind(self, target: ModelRunner) -> None:
         """Check compatibility with the target at ``speculate()`` time."""
@@ -58,11 +59,13 @@ class Drafter:
     def prefill(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """See the prompt: ids/positions/slots ``[B, P]`` (padding goes to the trash slot)."""
 
-    def observe(self, ctx, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
-        """Only for drafters with ``needs_hidden``: the target's last hidden states ``hidden
-        [B, T, H]`` (after its final norm) for the tokens its forward just processed at
-        ``positions``/``slots [B, T]``; called at the end of prefill and of every round, after
-        the emitted tokens and lengths are committed (MTP heads, EAGLE-style drafters)."""
+    def observe(self, ctx, features: tuple[torch.Tensor, ...], positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Only for drafters with ``taps``: the target's hidden states ``features`` (one ``[B, T,
+        H]`` tensor per tap, in the order of ``taps``) for the tokens its forward just processed
+        at ``positions``/``slots [B, T]``; called at the end of prefill and of every round, after
+        the emitted tokens and lengths are committed (MTP, Medusa and EAGLE heads). After a tree
+        round, column i is the accepted path's node at depth i (position ``L + i``), already
+        moved to slot ``L + i``; columns past the accepted path hold rejected nodes."""
 
     def proposal_cost(self, target: ModelRunner) -> float:
         """Estimated cost of one more proposal (drafting it and verifying its position)
@@ -218,6 +221,9 @@ NAMED_DRAFTERS: dict[str, str | Callable[[str | None], Drafter]] = {
     "prompt_lookup": "specfx.prompt_lookup:from_name",
     "early_exit": "specfx.early_exit:from_name",
     "mtp": "specfx.mtp:from_name",
+    "medusa": "specfx.models.medusa:from_name",  # draft="medusa:DIR"
+    "eagle": "specfx.models.eagle:from_name",  # draft="eagle:DIR" (EAGLE-1/2)
+    "eagle3": "specfx.models.eagle3:from_name",  # draft="eagle3:DIR"
 }
 
 

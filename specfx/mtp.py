@@ -25,7 +25,7 @@ without host syncs:
   vLLM does for DeepSeek-V3's single MTP layer).
 
 The target's last hidden state comes from the target's own forward
-(``ModelRunner.forward(..., return_hidden=True)``, i.e. ``output_hidden_states``), so nothing
+(``ModelRunner.forward(..., taps=("final",))``, the hidden-taps pass), so nothing
 in the target is patched. Sampling is lossless (q is the processed MTP distribution) and
 greedy output equals the target's, whatever the MTP layers predict.
 """
@@ -165,7 +165,7 @@ class MTP(Drafter):
     """
 
     name = "mtp"
-    needs_hidden = True
+    taps = ("final",)  # the target's last hidden state, after its final norm
 
     def __init__(self, layers=None):
         if layers is not None:
@@ -241,7 +241,7 @@ class MTP(Drafter):
         with torch.no_grad():
             # transformers sets up its output recording (hooks it installs once, lazily) on the
             # first output_hidden_states call; do that here, eagerly, not inside a compiled graph
-            self.target.forward(zeros, zeros, trash, return_hidden=True)
+            self.target.forward(zeros, zeros, trash, taps=self.taps)
             for i in range(self.num_layers):
                 self._layer(i, zeros, self.stash[i], zeros, trash)
 
@@ -292,10 +292,11 @@ class MTP(Drafter):
         return logits
 
     # ----------------------------------------------------------------- the round
-    def observe(self, ctx, hidden, positions, slots) -> None:
+    def observe(self, ctx, features, positions, slots) -> None:
         """Commit the MTP entries for the positions after those the target just processed
-        (``hidden [B, T, H]`` at ``positions``/``slots [B, T]``), and stash each layer's hidden
+        (``features``: its last hidden state ``[B, T, H]`` at ``positions``/``slots [B, T]``), and stash each layer's hidden
         state at the new pending position ``ctx.lengths``."""
+        (hidden,) = features
         capacity = self.cache.capacity
         q_pos = positions + 1  # [B, T]: layer i at p + 1 uses the depth i-1 hidden at p
         q_slots = torch.where(slots == positions, q_pos, self.cache.trash_slot).clamp(max=capacity - 1)

@@ -191,8 +191,8 @@ def prefill_step(target, drafter, state: RoundState, ids: torch.Tensor, vocab: i
     slots = torch.where(real, pos, target.cache.trash_slot)
     pos = pos.clamp_min(0)
     ids = torch.where(real, ids, PLACEHOLDER)
-    out = target.forward(ids, pos, slots, return_hidden=drafter.needs_hidden)
-    logits, hidden = out if drafter.needs_hidden else (out, None)
+    out = target.forward(ids, pos, slots, taps=drafter.taps)
+    logits, features = out if drafter.taps else (out, None)
     logits = logits[:, -1:]  # [B, 1, V]
     drafter.prefill(ids, pos, slots)
 
@@ -217,8 +217,8 @@ def prefill_step(target, drafter, state: RoundState, ids: torch.Tensor, vocab: i
     s.finished.copy_(is_eos | (s.lengths + 1 >= s.gen_end) | ~s.live)
     for t in (s.rounds, s.proposed, s.accepted, s.emitted, s.row_rounds, s.per_position):
         t.zero_()
-    if hidden is not None:
-        drafter.observe(ctx, hidden, pos, slots)  # after the first token is committed
+    if features is not None:
+        drafter.observe(ctx, features, pos, slots)  # after the first token is committed
     if collect:
         return first, scores, logits.float()
     return first
@@ -283,8 +283,8 @@ def round_step(target, drafter, state: RoundState, k: int, vocab: int, sample: b
     pending = s.tokens.gather(1, lengths.unsqueeze(1))  # [B, 1]
     ids = torch.cat([pending, proposals], dim=1)  # [B, K+1]
     pos = lengths.unsqueeze(1) + torch.arange(k + 1, device=ids.device)  # [B, K+1]
-    verified = target.forward(ids, pos, pos, return_hidden=drafter.needs_hidden)
-    logits, hidden = verified if drafter.needs_hidden else (verified, None)
+    verified = target.forward(ids, pos, pos, taps=drafter.taps)
+    logits, features = verified if drafter.taps else (verified, None)
     scores = ctx.process(logits, 0, list(proposals.split(1, dim=1)))
     if sample:
         p = scores.softmax(dim=-1)
@@ -299,8 +299,8 @@ def round_step(target, drafter, state: RoundState, k: int, vocab: int, sample: b
         s.invalid.copy_(s.invalid | (p.isnan().any(dim=-1) & emitted).any(dim=1))
 
     commit(s, out, n, emitted, done)
-    if hidden is not None:
-        drafter.observe(ctx, hidden, pos, pos)  # after the emitted tokens are committed
+    if features is not None:
+        drafter.observe(ctx, features, pos, pos)  # after the emitted tokens are committed
     record(s, active, k, n_accepted, n, k)
     if collect:
         return out, n, scores, logits.float()

@@ -180,12 +180,12 @@ class ModelRunner:
         ids: torch.Tensor,
         positions: torch.Tensor,
         slots: torch.Tensor,
-        return_hidden: bool = False,
         tree: TreeView | None = None,
+        taps: tuple[str, ...] = (),
     ):
         """ids, positions, slots ``[B, T]`` -> logits ``[B, T, V]``; writes KV at ``slots``.
-        With ``return_hidden``: ``(logits, hidden [B, T, H])``, the last hidden state (after the
-        final norm, HF's ``output_hidden_states[-1]``), for drafters that read it (MTP).
+        With ``taps`` (names from :mod:`specfx.taps`): ``(logits, features)``, one hidden state
+        ``[B, T, H]`` per tap, for drafters that read the target's hidden states.
         With ``tree``: the tokens are token-tree nodes, and each sees the committed prefix and
         its own ancestors only (:func:`specfx.masks.visible_slots`).
 
@@ -196,10 +196,14 @@ class ModelRunner:
         if self.protocol == "rowwise_2d":
             if tree is not None:
                 raise ValueError(self.tree_refusal())
-            return self._forward_rowwise(ids, positions, slots, return_hidden)
+            if taps:
+                raise ValueError(self.taps_refusal())
+            return self._forward_rowwise(ids, positions, slots)
         cache.slots = slots
         mask = self.mask_plan.build(positions, cache.capacity, self.mask_format, self.dtype, tree)
-        return self._call(ids, mask, positions, return_hidden)
+        if taps:
+            return self._call_tapped(ids, mask, positions, taps)
+        return self._call(ids, mask, positions)
 
     def tree_refusal(self) -> str | None:
         """Why this model cannot verify token trees, or None if it can."""
@@ -211,7 +215,17 @@ class ModelRunner:
             )
         return None
 
-    def _call(self, ids, mask, positions, return_hidden):
+    def taps_refusal(self) -> str | None:
+        """Why drafters cannot read this model's hidden states, or None if they can."""
+        if self.protocol == "rowwise_2d":
+            return (
+                f"{self.role} ({type(self.model).__name__}) needs a 2-D padding mask (specfx drives it "
+                f"row by row), so its hidden states cannot be tapped in one forward; drafters that "
+                f"read the target's hidden states (MTP, Medusa, EAGLE) cannot serve it."
+            )
+        return None
+
+    def _call(self, ids, mask, positions, **kwargs):
         if self.max_positions is not None:
             positions = positions.clamp(max=self.max_positions - 1)
         out = self.model(
@@ -220,13 +234,25 @@ class ModelRunner:
             position_ids=positions,
             past_key_values=self.cache,
             use_cache=True,
-            **({"output_hidden_states": True} if return_hidden else {}),
+            **kwargs,
         )
-        if return_hidden:
-            return out.logits, out.hidden_states[-1]
-        return out.logits
+        return out if kwargs else out.logits
 
-    def _forward_rowwise(self, ids, positions, slots, return_hidden):
+    def _call_tapped(self, ids, mask, positions, taps):
+        # INTERIM (replaced by the hidden-taps graph pass): every layer's hidden state.
+        out = self._call(ids, mask, positions, output_hidden_states=True)
+        hs = out.hidden_states
+        features = []
+        for tap in taps:
+            if tap == "final":
+                features.append(hs[-1])
+            elif tap.startswith("layer:"):
+                features.append(hs[int(tap[6:])])
+            else:
+                raise NotImplementedError(tap)
+        return out.logits, tuple(features)
+
+    def _forward_rowwise(self, ids, positions, slots):
         """The fallback protocol for models that need a 2-D padding mask (Bloom builds its ALiBi
         bias from it): one forward per row, each with a 2-D mask over every slot and the
         row's query offset given through the cache (``get_query_offset``), from which
@@ -241,8 +267,6 @@ class ModelRunner:
             cache.row = b
             cache.slots = slots[b : b + 1]
             cache.query_offset = positions[b, -1] - (t - 1)
-            outs.append(self._call(ids[b : b + 1], mask, positions[b : b + 1], return_hidden))
+            outs.append(self._call(ids[b : b + 1], mask, positions[b : b + 1]))
         cache.row = None
-        if return_hidden:
-            return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
         return torch.cat(outs)

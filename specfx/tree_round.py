@@ -167,7 +167,8 @@ def tree_round_step(target, drafter, state, tree: TokenTree, vocab: int, sample:
     nodes = tuple(range(n + 1))
     pos = lengths.unsqueeze(1) + tt.depth  # [B, N+1]
     slots = lengths.unsqueeze(1) + torch.arange(n + 1, device=ids.device)  # [B, N+1]
-    logits = target.forward(ids, pos, slots, tree=tree_view(ctx, nodes))
+    verified = target.forward(ids, pos, slots, tree=tree_view(ctx, nodes), taps=drafter.taps)
+    logits, features = verified if drafter.taps else (verified, None)
     scores = ctx.process_nodes(logits, nodes, ids)
     u_accept = u_residual = None
     if sample:
@@ -190,7 +191,11 @@ def tree_round_step(target, drafter, state, tree: TokenTree, vocab: int, sample:
     src = torch.where(moved, lengths.unsqueeze(1) + path[:, 1:], dst)
     target.cache.move(src, dst)
     drafter.commit_tree(src, dst)
+    at = lengths.unsqueeze(1) + torch.arange(d + 1, device=ids.device)  # [B, D+1], before commit() moves lengths
     commit(s, out, n_emit, emitted, done)
+    if features is not None:  # the accepted path's features, the node at depth i in column i (now at slot L + i)
+        along = path.unsqueeze(-1)
+        drafter.observe(ctx, tuple(f.gather(1, along.expand(-1, -1, f.shape[-1])) for f in features), at, at)
     record(s, active, n, n_accepted, n_emit, d)
     if collect:
         take = path.unsqueeze(-1).expand(-1, -1, vocab)

@@ -1,0 +1,487 @@
+"""EAGLE drafters: a small head that drafts from the target's own hidden states.
+
+EAGLE (Li et al., 2024; SafeAILab/EAGLE) drafts with one decoder layer that reads, at each
+position, the token there and the target's feature (hidden state) one position earlier, and
+predicts the feature of its own position; the target's LM head turns that prediction into a
+draft token. Deeper draft steps feed the head's own output back as the feature. EAGLE-1/2
+(:class:`Eagle`) read the target's last hidden state after its final norm; EAGLE-3
+(:mod:`specfx.models.eagle3`) fuses several layers' hidden states instead. Both share the
+cache protocol of :class:`EagleBase`.
+
+The cache protocol
+------------------
+An *entry* at position ``t`` pairs the token ``x_t`` with the feature of position ``t - 1``:
+the target's feature for committed positions, the head's own output for drafted ones. Its
+output predicts the feature at ``t``, and the LM head on that output the token at ``t + 1``.
+Entry ``t`` lives at slot ``t`` of the head's one-layer static KV cache, at position ``t``.
+(SafeAILab numbers the entry pairing ``x_t`` with ``f_{t-1}`` as position ``t - 1``; rotary
+attention depends only on position differences, so indexing entries by the token's position
+is the same attention.) Position 0 has no entry (no feature precedes it): slot 0 is masked
+out, the query's own slot always visible so no mask row is empty.
+
+* :meth:`EagleBase.observe` runs after every target forward (prefill, chain round, tree
+  round), once the emitted tokens are committed. For each position ``p`` the target just
+  processed (real columns: slot == position) it writes the entry at ``p + 1`` (token
+  ``ctx.tokens[p + 1]``, feature ``f_p``) in one forward, and stashes that forward's output at
+  the new pending position ``ctx.lengths`` (rows without such a column keep their stash).
+  Entries past the pending token pair garbage tokens or rejected features; every one of those
+  slots is rewritten by a later observe before any query can see it. So after a round the
+  head's cache is what it would be had it seen only the emitted tokens, with no catch-up
+  forward in propose.
+* :meth:`EagleBase.propose` (a chain of K): proposal 1 is the LM head on the stash (the
+  entry at the pending position ``L``); step ``i`` writes the entry ``(proposal i, previous
+  output)`` at position and slot ``L + i``. Proposals are processed and sampled like the
+  target's scores (:func:`specfx.drafters.draft_chain`), so sampling stays lossless.
+* :meth:`EagleBase.propose_tree` (a static :class:`~specfx.tree.TokenTree`): node ``n``'s entry
+  sits at position ``L + depth[n]`` in scratch slot ``L + n`` and sees the committed entries
+  and its ancestors' (the tree mask); its feature is its parent's output (the root's is the
+  stash: the root is the pending token, whose entry observe committed at slot ``L``).
+  :meth:`commit_tree` moves nothing: the next observe rewrites the accepted path's entries.
+
+Contract for subclasses (EAGLE-1/2 here, EAGLE-3 in :mod:`specfx.models.eagle3`)
+--------------------------------------------------------------------------------
+* ``taps``: the target hidden states the head reads (see :class:`specfx.drafters.Drafter`).
+* ``_bind(target)``: build and check the head for ``target`` (a :class:`~specfx.runner.ModelRunner`),
+  move its own parameters to the target's device and dtype, and set ``state_size`` (S, the width
+  of an entry's output and feature input). The base's :meth:`bind` has already set
+  ``self.target`` and ``self.mask_format``.
+* ``_feature(features) -> [B, T, S]``: the target's taps (one ``[B, T, H]`` tensor each) as the
+  feature input of entries (EAGLE-1: the ``"final"`` tap itself; EAGLE-3: its fused taps).
+* ``_entry(ids [B, T], feature [B, T, S], positions, slots, tree) -> out [B, T, S]``: one draft
+  forward writing the entries' KV at ``slots`` (set ``self.cache.slots`` first; mask with
+  :meth:`_entry_mask`; ``tree`` a :class:`~specfx.masks.TreeView` or None).
+* ``_logits(out) -> [B, T, V]``: draft logits over the target's vocabulary.
+* ``_allocate_kv(batch, capacity)``: set ``self.cache`` (default: a one-layer
+  :class:`~specfx.cache.SlotCache`); the base then allocates the stash and runs one eager
+  probe entry (writing only the trash slot) so the KV buffers exist before any compiled graph.
+* ``_num_parameters()``: the head's own parameter count, for ``proposal_cost``.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..cache import SlotCache
+from ..drafters import VERIFY_COST, Drafter, draft_chain
+from ..graph_utils import mark_static
+from ..masks import TreeView, check_attn_implementation, layer_pattern, mask_plan, to_format, visible_slots
+from ..runner import ModelRunner
+from ..tree_round import draft_tree, level_inputs, tree_view
+from .heads import HeadCheckpoint, check_tensors, read_head, write_head
+
+__all__ = ["Eagle", "EagleBase", "from_name", "target_rotary"]
+
+
+def target_rotary(model, owner: str):
+    """``model``'s rotary-embedding module (``model.base_model.rotary_emb``), which a head runs
+    its decoder layer with (rotary attention: positions are shared with the target). ValueError
+    when the target has none (learned or ALiBi positions)."""
+    rotary = getattr(model.base_model, "rotary_emb", None)
+    if not isinstance(rotary, nn.Module):
+        raise ValueError(
+            f"{owner}: the target {type(model).__name__} has no rotary position embedding "
+            f"(base_model.rotary_emb); EAGLE heads run a decoder layer with the target's rotary "
+            f"embedding, so they serve rotary-position targets only (Llama, Qwen, Mistral, Gemma, ...)."
+        )
+    return rotary
+
+
+class EagleBase(Drafter):
+    """A drafter that runs a head on the target's features, with its own one-layer static KV
+    (see the module docstring for the cache protocol and the subclass contract)."""
+
+    supports_tree = True
+
+    target: ModelRunner
+    mask_format: str
+    state_size: int
+    cache: SlotCache | None = None
+    stash: torch.Tensor | None = None  # [B, 1, S] the entry's output at the pending position
+
+    # ----------------------------------------------------------------- setup
+    def bind(self, target: ModelRunner) -> None:
+        why = target.taps_refusal()
+        if why is not None:
+            raise ValueError(why)
+        self.target = target
+        self.mask_format = check_attn_implementation(target.model)
+        self._bind(target)
+
+    def _bind(self, target: ModelRunner) -> None:
+        raise NotImplementedError
+
+    def _allocate_kv(self, batch_size: int, capacity: int) -> None:
+        self.cache = SlotCache(1, batch_size, capacity, self.target.device)
+
+    def allocate(self, batch_size: int, capacity: int) -> None:
+        device = self.target.device
+        self._allocate_kv(batch_size, capacity)
+        self.stash = torch.zeros((batch_size, 1, self.state_size), dtype=self.target.dtype, device=device)
+        mark_static(self.stash)  # written in place every round, like the KV buffers
+        zeros = torch.zeros((batch_size, 1), dtype=torch.long, device=device)
+        trash = torch.full_like(zeros, self.cache.trash_slot)
+        with torch.no_grad():
+            # transformers installs its hidden-state recording lazily on the first
+            # output_hidden_states call: do that here, eagerly, not inside a compiled graph
+            self.target.forward(zeros, zeros, trash, taps=self.taps)
+            self._entry(zeros, self.stash, zeros, trash, None)  # allocates the KV buffers
+
+    def _num_parameters(self) -> int:
+        return 0
+
+    def proposal_cost(self, target: ModelRunner) -> float:
+        full = sum(p.numel() for p in target.model.parameters())
+        return VERIFY_COST + self._num_parameters() / full
+
+    # ----------------------------------------------------------------- the head (subclasses)
+    def _feature(self, features: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _entry(self, ids, feature, positions, slots, tree: TreeView | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _logits(self, out: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _entry_mask(self, positions: torch.Tensor, tree: TreeView | None, pattern=("full", None)) -> torch.Tensor:
+        """``[B, 1, T, C]`` in the target's mask format: the usual causal (or tree) visibility
+        within the layer's ``pattern``, without slot 0 (it holds no entry); a chain query always
+        sees its own slot, so the probe at position 0 has a non-empty row (SDPA would give NaN).
+        Tree queries sit at positions >= 1 and see their own slot through the tree mask."""
+        capacity = self.cache.capacity
+        visible = visible_slots(positions, capacity, pattern, tree)
+        slots = torch.arange(capacity, device=positions.device).view(1, 1, 1, -1)
+        if tree is None:
+            visible = visible & ((slots >= 1) | (slots == positions.unsqueeze(1).unsqueeze(-1)))
+        else:
+            visible = visible & (slots >= 1)
+        return to_format(visible, self.mask_format, self.target.dtype)
+
+    # ----------------------------------------------------------------- the round
+    def observe(self, ctx, features, positions, slots) -> None:
+        """Write the entries after the positions the target just processed (``features`` at
+        ``positions``/``slots [B, T]``) and stash the output at the pending position."""
+        feature = self._feature(features).to(self.stash.dtype)  # [B, T, S]
+        capacity = self.cache.capacity
+        q_pos = positions + 1  # [B, T]: the entry at p + 1 reads the feature at p
+        q_slots = torch.where(slots == positions, q_pos, self.cache.trash_slot).clamp(max=capacity - 1)
+        ids = ctx.tokens.gather(1, q_pos.clamp(max=ctx.tokens.shape[1] - 1))  # committed up to the pending token
+        out = self._entry(ids, feature, q_pos, q_slots, None)  # [B, T, S]
+        at_pending = q_pos == ctx.lengths.unsqueeze(1)  # [B, T], one True per row that advanced
+        index = at_pending.int().argmax(dim=1).view(-1, 1, 1).expand(-1, 1, out.shape[-1])
+        advanced = at_pending.any(dim=1).view(-1, 1, 1)
+        self.stash.copy_(torch.where(advanced, out.gather(1, index).to(self.stash.dtype), self.stash))
+
+    def propose(self, ctx):
+        lengths = ctx.lengths.unsqueeze(1)  # [B, 1], the pending position L
+        last = self.stash  # [B, 1, S]: the entry output the next step reads as its feature
+
+        def step(i, proposals):
+            nonlocal last
+            pos = lengths + i  # [B, 1]: proposal i - 1 (0-based) sits at L + i
+            last = self._entry(proposals[-1], last, pos, pos, None)
+            return self._logits(last)
+
+        return draft_chain(ctx, self._logits(self.stash), step)
+
+    def propose_tree(self, ctx):
+        parents = ctx.token_tree.parents
+        outputs: dict[int, torch.Tensor] = {0: self.stash}  # node -> its entry's output [B, 1, S]
+
+        def step(queries, tokens):
+            ids, pos, slots = level_inputs(ctx, queries, tokens)
+            feature = torch.cat([outputs[parents[q]] for q in queries], dim=1)  # [B, T, S]
+            out = self._entry(ids, feature, pos, slots, tree_view(ctx, queries))
+            for t, q in enumerate(queries):
+                outputs[q] = out[:, t : t + 1]
+            return self._logits(out)
+
+        return draft_tree(ctx, self._logits(self.stash), step)
+
+    def commit_tree(self, src, dst) -> None:
+        """Nothing to move: observe rewrites the accepted path's entries from the target's
+        features, which is what the head would have computed had it seen only those tokens."""
+
+
+# Checkpoint config keys that size the head's decoder layer where they differ from the
+# target's config (SafeAILab's config.json is a copy of the target's with num_hidden_layers=1).
+_LAYER_OVERRIDES = (
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "rms_norm_eps",
+    "attention_bias",
+    "mlp_bias",
+)
+# Target config keys copied into a saved head's config.json (the SafeAILab layout).
+_CONFIG_KEYS = ("model_type", "hidden_size", "vocab_size", "max_position_embeddings", "rope_theta", "rope_parameters",
+                "pad_token_id", "bos_token_id", "eos_token_id") + _LAYER_OVERRIDES  # fmt: skip
+
+
+def _rope_theta(config) -> float | None:
+    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+    theta = get("rope_theta")
+    if theta is None:
+        params = get("rope_parameters")
+        if isinstance(params, dict):
+            theta = params.get("rope_theta")
+    return theta
+
+
+def _decoder_layer(model, overrides: dict, owner: str) -> tuple[nn.Module, object]:
+    """A fresh instance of ``model``'s own decoder-layer class, built with its config (sizes
+    overridden by ``overrides``) as layer 0, its input norm replaced by identity (EAGLE's layer
+    has none: the fc output enters attention as is). Returns ``(layer, config)``."""
+    from ..early_exit import decoder_layer_names
+
+    name = type(model).__name__
+    try:
+        proto = model.get_submodule(decoder_layer_names(model)[0])
+    except ValueError as e:
+        raise ValueError(f"{owner}: {e} EAGLE heads reuse the target's decoder-layer class.") from None
+    config = copy.deepcopy(model.config.get_text_config())
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    try:
+        layer = type(proto)(config, 0)
+    except Exception as e:
+        raise ValueError(
+            f"{owner}: {name}'s decoder layer ({type(proto).__name__}) cannot be built as "
+            f"{type(proto).__name__}(config, layer_idx=0) ({type(e).__name__}: {e}); EAGLE heads need "
+            f"a target whose decoder layers are built that way (Llama, Qwen, Mistral, Gemma, Mixtral, ...)."
+        ) from e
+    if not isinstance(getattr(layer, "input_layernorm", None), nn.Module):
+        raise ValueError(
+            f"{owner}: {name}'s decoder layer ({type(proto).__name__}) has no input_layernorm, which "
+            f"EAGLE's layer drops (its input is the fc output); this target's layers are not of that form."
+        )
+    layer.input_layernorm = nn.Identity()
+    head_dim = getattr(getattr(layer, "self_attn", None), "head_dim", None)
+    target_dim = getattr(getattr(proto, "self_attn", None), "head_dim", None)
+    if head_dim != target_dim:
+        raise ValueError(
+            f"{owner}: the head's attention has head_dim {head_dim} but the target's has {target_dim}; "
+            f"the head runs with the target's rotary embedding, so its heads must have the target's size."
+        )
+    return layer.eval(), config
+
+
+def _is_norm(name: str, t: torch.Tensor) -> bool:
+    return t.dim() == 1 and "norm" in name
+
+
+class Eagle(EagleBase):
+    """An EAGLE-1/2 head in SafeAILab's layout: ``fc`` (2H -> H, with a bias in SafeAILab's
+    checkpoints) on ``cat[embed(token), feature]``, then one decoder layer of the target's own
+    class without its input norm, then the target's LM head (no norm before it). The feature is
+    the target's last hidden state after its final norm (tap ``"final"``).
+
+    Args:
+        path: a local directory holding ``config.json`` and safetensors weights (``fc.weight``,
+            optionally ``fc.bias``, ``layers.0.*``; an ``embed_tokens.weight`` there is only
+            shape-checked: the head uses the target's embedding), or one ``.safetensors`` file.
+
+    ``Eagle.random(target)`` makes a random head for ``target`` (tests, training), and
+    :meth:`save` writes the same layout. The embedding and LM head are the target's (shared,
+    never copied); the head's own parameters follow the target's device and dtype at bind.
+    """
+
+    name = "eagle"
+    taps = ("final",)  # the target's last hidden state, after its final norm
+
+    def __init__(self, path: str | Path):
+        if path is None or (isinstance(path, str) and not path.strip()):
+            raise ValueError(
+                "Eagle(path): path is required: the directory of an EAGLE head checkpoint in SafeAILab's "
+                "layout (config.json and *.safetensors), e.g. specfx.models.eagle.Eagle('/models/EAGLE-llama') "
+                "or draft='eagle:/models/EAGLE-llama'."
+            )
+        self._set_checkpoint(read_head(path, "EAGLE"))
+
+    @classmethod
+    def _from_checkpoint(cls, ckpt: HeadCheckpoint) -> Eagle:
+        head = cls.__new__(cls)
+        head._set_checkpoint(ckpt)
+        return head
+
+    def _set_checkpoint(self, ckpt: HeadCheckpoint) -> None:
+        config = ckpt.config
+        deeper = sorted({k.split(".")[1] for k in ckpt.tensors if k.startswith("layers.") and not k.startswith("layers.0.")})
+        if deeper or config.get("num_hidden_layers", 1) != 1:
+            raise ValueError(
+                f"EAGLE checkpoint {str(ckpt.path)!r} has {config.get('num_hidden_layers', 1 + len(deeper))} decoder "
+                f"layers; EAGLE-1/2 heads have one (layers.0), which is what specfx runs."
+            )
+        if config.get("add_para_norm"):
+            raise ValueError(
+                f"EAGLE checkpoint {str(ckpt.path)!r} sets add_para_norm (HASS-style norms on the embedding "
+                f"and the feature), which specfx's EAGLE head does not implement."
+            )
+        self.checkpoint = ckpt
+        self.fc: nn.Linear | None = None
+        self.layer: nn.Module | None = None
+
+    def __repr__(self) -> str:
+        return f"Eagle({str(self.checkpoint.path)!r})"
+
+    @property
+    def has_bias(self) -> bool:
+        """Whether ``fc`` has a bias: the config's ``bias`` when it says (SafeAILab's key),
+        else whether the weights hold ``fc.bias``."""
+        bias = self.checkpoint.config.get("bias")
+        return bool(bias) if bias is not None else "fc.bias" in self.checkpoint.tensors
+
+    # ----------------------------------------------------------------- building
+    def _layer_overrides(self, model) -> dict:
+        target = model.config.get_text_config()
+        return {k: v for k, v in self.checkpoint.config.items() if k in _LAYER_OVERRIDES and hasattr(target, k)}
+
+    def _build(self, model) -> None:
+        """The head's modules for ``model`` (an HF causal LM) from the checkpoint's tensors,
+        checked against the target's sizes."""
+        owner = f"EAGLE head {str(self.checkpoint.path)!r}"
+        config = model.config.get_text_config()
+        hidden = config.hidden_size
+        vocab = model.get_output_embeddings().weight.shape[0]
+        ckpt = self.checkpoint
+        for key, value, why in (
+            ("hidden_size", hidden, "hidden size"),
+            ("vocab_size", (vocab, config.vocab_size), "vocabulary size"),
+        ):
+            got = ckpt.config.get(key)
+            allowed = value if isinstance(value, tuple) else (value,)
+            if got is not None and got not in allowed:
+                raise ValueError(
+                    f"{owner} was trained for a target with {why} {got} (its config.json {key}), but this "
+                    f"target ({type(model).__name__}) has {allowed[0]}; use the head trained for this target."
+                )
+        theta, target_theta = _rope_theta(ckpt.config), _rope_theta(config)
+        if theta is not None and target_theta is not None and float(theta) != float(target_theta):
+            raise ValueError(
+                f"{owner} was trained with rope_theta {theta} but the target has {target_theta}; the head runs "
+                f"with the target's rotary embedding, so it must be the head trained for this target."
+            )
+        layer, layer_config = _decoder_layer(model, self._layer_overrides(model), owner)
+        expected = {"fc.weight": (hidden, 2 * hidden)}
+        why = {"fc.weight": f"[hidden, 2 * hidden] for the target's hidden size {hidden}"}
+        if self.has_bias:
+            expected["fc.bias"] = (hidden,)
+        expected.update({f"layers.0.{k}": tuple(t.shape) for k, t in layer.state_dict().items()})
+        if "embed_tokens.weight" in ckpt.tensors:
+            expected["embed_tokens.weight"] = (vocab, hidden)
+            why["embed_tokens.weight"] = f"the target's embedding [{vocab}, {hidden}]"
+        check_tensors(ckpt, "EAGLE", expected, why)
+        unknown = sorted(k for k in ckpt.tensors if k.startswith("layers.0.") and k not in expected)
+        if unknown:
+            raise ValueError(
+                f"{owner} has tensors this target's decoder layer ({type(layer).__name__}, without its input "
+                f"norm) does not: {', '.join(unknown[:6])}; the head was trained for another architecture."
+            )
+        fc = nn.Linear(2 * hidden, hidden, bias=self.has_bias)
+        with torch.no_grad():
+            fc.weight.copy_(ckpt.tensors["fc.weight"])
+            if self.has_bias:
+                fc.bias.copy_(ckpt.tensors["fc.bias"])
+            layer.load_state_dict({k[len("layers.0.") :]: v for k, v in ckpt.tensors.items() if k.startswith("layers.0.")})
+        self.fc, self.layer, self.layer_config = fc.eval(), layer, layer_config
+
+    @classmethod
+    def random(cls, target, seed: int = 0, std: float | None = None) -> Eagle:
+        """A head for ``target`` (an HF causal LM) with seeded random weights (norms at their
+        defaults; ``std`` defaults to the target's ``initializer_range``): for tests and as a
+        starting point for training. Its drafts are meaningless until trained."""
+        model = target.model if isinstance(target, ModelRunner) else target
+        config = model.config.get_text_config()
+        std = float(getattr(config, "initializer_range", 0.02)) if std is None else std
+        layer, _ = _decoder_layer(model, {}, "Eagle.random")
+        hidden = config.hidden_size
+        g = torch.Generator().manual_seed(seed)
+
+        def rand(*shape):
+            return torch.randn(shape, generator=g) * std
+
+        tensors = {"fc.weight": rand(hidden, 2 * hidden), "fc.bias": rand(hidden)}
+        for k, t in layer.state_dict().items():
+            tensors[f"layers.0.{k}"] = t.detach().clone() if _is_norm(k, t) else rand(*t.shape)
+        saved = config.to_dict()
+        head_config = {k: saved[k] for k in _CONFIG_KEYS if saved.get(k) is not None}
+        head_config.update(architectures=[type(model).__name__], num_hidden_layers=1, bias=True)
+        return cls._from_checkpoint(HeadCheckpoint(Path(f"Eagle.random(seed={seed})"), head_config, tensors))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The head's tensors in the checkpoint layout (the built modules' when built)."""
+        if self.layer is None:
+            return dict(self.checkpoint.tensors)
+        tensors = {f"fc.{k}": v for k, v in self.fc.state_dict().items()}
+        tensors.update({f"layers.0.{k}": v for k, v in self.layer.state_dict().items()})
+        return tensors
+
+    def save(self, path: str | Path) -> Path:
+        """Write the head to directory ``path`` in SafeAILab's layout (``config.json`` and
+        ``model.safetensors``), which :class:`Eagle` (``draft="eagle:DIR"``) loads back."""
+        config = dict(self.checkpoint.config, bias=self.has_bias, num_hidden_layers=1)
+        return write_head(path, config, self.state_dict())
+
+    # ----------------------------------------------------------------- binding
+    def _bind(self, target: ModelRunner) -> None:
+        model = target.model
+        owner = f"EAGLE head {str(self.checkpoint.path)!r}"
+        if self.layer is not None:  # built before (bound to a target, maybe trained): keep its weights
+            tensors = {k: v.detach().to("cpu") for k, v in self.state_dict().items()}
+            self.checkpoint = HeadCheckpoint(self.checkpoint.path, self.checkpoint.config, tensors)
+        self._build(model)
+        self.rotary = target_rotary(model, owner)
+        self.per_layer_rope = "layer_type" in inspect.signature(self.rotary.forward).parameters
+        layer_types = getattr(self.layer_config, "layer_types", None)
+        self.layer_type = layer_types[0] if layer_types else None
+        if self.layer_type is not None:
+            self.pattern = layer_pattern(self.layer_config, self.layer_type, owner)
+        else:
+            self.pattern = mask_plan(self.layer_config, owner).single
+        self.embed = model.get_input_embeddings()
+        self.lm_head = model.get_output_embeddings()
+        self.fc.to(device=target.device, dtype=target.dtype)
+        self.layer.to(device=target.device, dtype=target.dtype)
+        self.state_size = self.fc.out_features
+
+    def _num_parameters(self) -> int:
+        return sum(p.numel() for m in (self.fc, self.layer) for p in m.parameters())
+
+    # ----------------------------------------------------------------- the head
+    def _feature(self, features):
+        return features[0]
+
+    def _entry(self, ids, feature, positions, slots, tree):
+        self.cache.slots = slots
+        embeds = self.embed(ids).to(feature.dtype)  # [B, T, H]
+        x = self.fc(torch.cat([embeds, feature], dim=-1))  # [B, T, H]
+        kwargs = {"layer_type": self.layer_type} if self.per_layer_rope else {}
+        rope = self.rotary(x, positions, **kwargs)
+        out = self.layer(
+            x,
+            attention_mask=self._entry_mask(positions, tree, self.pattern),
+            position_ids=positions,
+            past_key_values=self.cache,
+            position_embeddings=rope,
+        )
+        return out[0] if isinstance(out, tuple) else out
+
+    def _logits(self, out):
+        return self.lm_head(out)
+
+
+def from_name(arg: str | None) -> Eagle:
+    """``draft="eagle:DIR"``: an EAGLE-1/2 head loaded from checkpoint directory DIR."""
+    if not arg:
+        raise ValueError(
+            "draft='eagle' needs the head's checkpoint directory after a colon: draft='eagle:DIR' (an EAGLE-1/2 "
+            "head in SafeAILab's layout: config.json and *.safetensors)."
+        )
+    return Eagle(arg)

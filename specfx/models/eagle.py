@@ -433,11 +433,11 @@ class Eagle(EagleBase):
     def _bind(self, target: ModelRunner) -> None:
         model = target.model
         owner = f"EAGLE head {str(self.checkpoint.path)!r}"
+        self.rotary = target_rotary(model, owner)
         if self.layer is not None:  # built before (bound to a target, maybe trained): keep its weights
             tensors = {k: v.detach().to("cpu") for k, v in self.state_dict().items()}
             self.checkpoint = HeadCheckpoint(self.checkpoint.path, self.checkpoint.config, tensors)
         self._build(model)
-        self.rotary = target_rotary(model, owner)
         self.per_layer_rope = "layer_type" in inspect.signature(self.rotary.forward).parameters
         layer_types = getattr(self.layer_config, "layer_types", None)
         self.layer_type = layer_types[0] if layer_types else None

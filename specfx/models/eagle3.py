@@ -122,9 +122,10 @@ class Eagle3Attention(nn.Module):
         q, k = apply_rotary_pos_emb(q, k, *rope)
         keys, values = cache.layers[0].update(k, v)  # [B, kv, C, D]: every slot, this forward's written
         group = self.heads // self.kv_heads
-        if group > 1:  # grouped-query attention: each KV head serves `group` query heads
-            keys = keys.repeat_interleave(group, dim=1)
-            values = values.repeat_interleave(group, dim=1)
+        if group > 1:  # grouped-query attention: each KV head serves `group` query heads (a view, then one copy)
+            full = (b, self.kv_heads, group) + keys.shape[2:]  # [B, kv, group, C, D]
+            keys = keys[:, :, None].expand(full).flatten(1, 2)
+            values = values[:, :, None].expand(full).flatten(1, 2)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [B, h, T, D], scale 1/sqrt(D)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
@@ -172,7 +173,7 @@ def resolve_taps(config: dict, num_layers: int, where: str = "the head's config.
         raise ValueError(
             f"{KIND}: the target has {num_layers} decoder layers, too few for the default taps (the inputs of "
             f"layers 2, L // 2 and L - 3 = {inputs} are not three distinct layers). Name the layers the head was "
-            f"trained on in {where}: \"eagle_aux_hidden_state_layer_ids\": [k1, k2, k3] (k: {meaning})."
+            f'trained on in {where}: "eagle_aux_hidden_state_layer_ids": [k1, k2, k3] (k: {meaning}).'
         )
     if any(k < 0 or k > num_layers for k in inputs):
         raise ValueError(
@@ -201,13 +202,17 @@ def _llama_config(config: dict, where) -> LlamaConfig:
     kw = {k: config[k] for k in _LLAMA_KEYS if config.get(k) is not None}
     kw.setdefault("num_key_value_heads", kw["num_attention_heads"])
     if kw["num_attention_heads"] % kw["num_key_value_heads"]:
-        raise _error(where, f"num_attention_heads {kw['num_attention_heads']} is not a multiple of num_key_value_heads {kw['num_key_value_heads']}.")
+        raise _error(
+            where,
+            f"num_attention_heads {kw['num_attention_heads']} is not a multiple of num_key_value_heads {kw['num_key_value_heads']}.",
+        )
     llama = LlamaConfig(**kw)
     rope_type = (llama.rope_parameters or {}).get("rope_type", "default")
     if "dynamic" in rope_type or rope_type == "longrope":
         raise _error(
-            where, f"rotary scaling {rope_type!r} changes with the sequence length (a host-side decision per "
-            f"forward), which a compiled round cannot make; heads with default, linear, llama3 or yarn rotary work."
+            where,
+            f"rotary scaling {rope_type!r} changes with the sequence length (a host-side decision per "
+            f"forward), which a compiled round cannot make; heads with default, linear, llama3 or yarn rotary work.",
         )
     return llama
 
@@ -272,7 +277,9 @@ def load_head(ckpt: HeadCheckpoint) -> tuple[Eagle3Head, torch.Tensor | None]:
         raise _error(where, "has no config.json (the head's sizes, vocabularies and tapped layers are read from it).")
     for key, (plain, what) in _VARIANTS.items():
         if key in config and bool(config[key]) != plain:
-            raise _error(where, f"sets {key}={config[key]!r}: {what}, a variant of the EAGLE-3 layout specfx does not implement.")
+            raise _error(
+                where, f"sets {key}={config[key]!r}: {what}, a variant of the EAGLE-3 layout specfx does not implement."
+            )
     layer_types = config.get("layer_types")
     if layer_types and layer_types[0] != "full_attention":
         raise _error(where, f"its layer is {layer_types[0]!r}; specfx runs EAGLE-3 heads with full attention only.")
@@ -281,12 +288,17 @@ def load_head(ckpt: HeadCheckpoint) -> tuple[Eagle3Head, torch.Tensor | None]:
     layers = config.get("num_hidden_layers", 1)
     if deeper or layers != 1:
         raise _error(
-            where, f"has {layers} decoder layers (tensors under layers.{', layers.'.join(deeper) or '1'}); "
-            f"specfx runs EAGLE-3 heads with one layer (midlayer, or layers.0), the layout SafeAILab and SpecForge train."
+            where,
+            f"has {layers} decoder layers (tensors under layers.{', layers.'.join(deeper) or '1'}); "
+            f"specfx runs EAGLE-3 heads with one layer (midlayer, or layers.0), the layout SafeAILab and SpecForge train.",
         )
     target_hidden = int(config.get("target_hidden_size") or config.get("hidden_size") or 0)
     fc = tensors.get("fc.weight")
-    taps = fc.shape[1] // target_hidden if fc is not None and fc.dim() == 2 and target_hidden and fc.shape[1] % target_hidden == 0 else 3
+    taps = (
+        fc.shape[1] // target_hidden
+        if fc is not None and fc.dim() == 2 and target_hidden and fc.shape[1] % target_hidden == 0
+        else 3
+    )
     head = Eagle3Head(config, num_taps=taps, where=f"{KIND} checkpoint {str(where)!r}")
     expected = head.expected_shapes()
     why = {
@@ -300,7 +312,9 @@ def load_head(ckpt: HeadCheckpoint) -> tuple[Eagle3Head, torch.Tensor | None]:
     check_tensors(HeadCheckpoint(where, config, tensors), KIND, expected, why)
     unknown = sorted(set(tensors) - set(expected) - {"d2t", "t2d"})
     if unknown:
-        logger.warning("%s checkpoint %r: ignoring tensors outside the layout: %s", KIND, str(where), ", ".join(unknown))
+        logger.warning(
+            "%s checkpoint %r: ignoring tensors outside the layout: %s", KIND, str(where), ", ".join(unknown)
+        )
     d2t, t2d = _vocab_map(head, tensors.get("d2t"), tensors.get("t2d"), where)
     state = {n: tensors[n] for n in expected if n != "embed_tokens.weight"}
     head.load_state_dict({**state, "d2t": d2t, "t2d": t2d})
@@ -316,19 +330,28 @@ def _vocab_map(head: Eagle3Head, d2t, t2d, where) -> tuple[torch.Tensor, torch.T
         raise _error(where, f"draft_vocab_size {vd} exceeds vocab_size {v}.")
     if d2t is None:
         if vd != v:
-            raise _error(where, f"has a draft vocabulary of {vd} ids for a target vocabulary of {v} but no d2t tensor mapping them.")
+            raise _error(
+                where,
+                f"has a draft vocabulary of {vd} ids for a target vocabulary of {v} but no d2t tensor mapping them.",
+            )
         d2t = torch.zeros(vd, dtype=torch.long)
     if d2t.shape != (vd,) or d2t.dtype.is_floating_point or d2t.dtype == torch.bool:
-        raise _error(where, f"d2t must be an integer tensor of shape [{vd}] (draft_vocab_size), got {d2t.dtype} {list(d2t.shape)}.")
+        raise _error(
+            where,
+            f"d2t must be an integer tensor of shape [{vd}] (draft_vocab_size), got {d2t.dtype} {list(d2t.shape)}.",
+        )
     ids = torch.arange(vd) + d2t.long()
     if vd and (int(ids.min()) < 0 or int(ids.max()) >= v or ids.unique().numel() != vd):
-        raise _error(where, f"d2t maps draft ids outside the target vocabulary of {v} ids, or two draft ids to one target id.")
+        raise _error(
+            where, f"d2t maps draft ids outside the target vocabulary of {v} ids, or two draft ids to one target id."
+        )
     mapped = torch.zeros(v, dtype=torch.bool)
     mapped[ids] = True
     if t2d is not None and (t2d.shape != (v,) or not torch.equal(t2d.bool(), mapped)):
         raise _error(
-            where, f"t2d (shape {list(t2d.shape)}) does not mark exactly the {vd} target ids d2t maps to; the "
-            f"vocabulary mapping is inconsistent (vocab_size {v})."
+            where,
+            f"t2d (shape {list(t2d.shape)}) does not mark exactly the {vd} target ids d2t maps to; the "
+            f"vocabulary mapping is inconsistent (vocab_size {v}).",
         )
     return d2t.long(), mapped
 
@@ -387,7 +410,9 @@ class Eagle3(EagleBase):
         vocab = model.get_output_embeddings().weight.shape[0]
         vd = vocab if draft_vocab_size is None else int(draft_vocab_size)
         if not 1 <= vd <= vocab:
-            raise ValueError(f"Eagle3.random: draft_vocab_size must be in 1..{vocab} (the target's vocabulary), got {vd}.")
+            raise ValueError(
+                f"Eagle3.random: draft_vocab_size must be in 1..{vocab} (the target's vocabulary), got {vd}."
+            )
         layers = tc.num_hidden_layers
         ids = list(layer_ids) if layer_ids is not None else [2, layers // 2, layers - 3]
         config = {
@@ -423,7 +448,9 @@ class Eagle3(EagleBase):
         read. The config names the tapped layers (``eagle_aux_hidden_state_layer_ids``, vLLM's
         convention) when they are known (given, or resolved by binding to a target)."""
         head = self.head
-        config = dict(head.config, num_hidden_layers=1, draft_vocab_size=head.draft_vocab_size, vocab_size=head.vocab_size)
+        config = dict(
+            head.config, num_hidden_layers=1, draft_vocab_size=head.draft_vocab_size, vocab_size=head.vocab_size
+        )
         if head.target_hidden_size != head.hidden_size:
             config["target_hidden_size"] = head.target_hidden_size
         else:  # SafeAILab loads the target's embedding only when target_hidden_size is absent
@@ -466,7 +493,11 @@ class Eagle3(EagleBase):
         self.layer_ids = [target.num_layers if t == "last" else int(t[6:]) for t in taps]
         table = model.get_input_embeddings().weight  # [V, H_target], shared
         own = head.embed_tokens.weight.detach() if head.embed_tokens is not None else self.own_embedding
-        if own is not None and own.shape == table.shape and torch.equal(own.to(table.device, table.dtype), table.detach()):
+        if (
+            own is not None
+            and own.shape == table.shape
+            and torch.equal(own.to(table.device, table.dtype), table.detach())
+        ):
             own = None  # a copy of the target's table (SafeAILab freezes it in training): share the target's
         if own is None and table.shape[1] != head.hidden_size:
             raise ValueError(
@@ -495,7 +526,11 @@ class Eagle3(EagleBase):
         self.state_size = head.hidden_size
 
     def _num_parameters(self) -> int:
-        return sum(p.numel() for m in (self.head.fc, self.head.midlayer, self.head.norm, self.head.lm_head) for p in m.parameters())
+        return sum(
+            p.numel()
+            for m in (self.head.fc, self.head.midlayer, self.head.norm, self.head.lm_head)
+            for p in m.parameters()
+        )
 
     # ----------------------------------------------------------------- the head
     def _feature(self, features):

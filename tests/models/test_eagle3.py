@@ -20,11 +20,20 @@ from safetensors.torch import load_file, save_file
 from transformers import LogitsProcessorList
 
 import specfx
-from specfx.models.eagle3 import Eagle3
+from specfx.models.eagle3 import Eagle3, resolve_taps
 from specfx.models.tiny import tiny_causal_lm
 from specfx.tree import TokenTree
+from specfx.tree_round import draft_levels
 from tests.conftest import left_padded, prompt
-from tests.test_lossless import NEW, ROWS, _chisquare, _exact
+from tests.test_lossless import (
+    NEW,
+    ROWS,
+    TREE_OPTIONS,
+    _assert_both_paths_at_several_depths,
+    _chisquare,
+    _exact,
+    _tree_samples,
+)
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "mixtral")
 LAYERS = 4  # tiny targets: the three taps below are distinct layers
@@ -268,7 +277,14 @@ def _train(target, path, prompts, new: int, steps: int = 120):
         f1 = feats[:, :-1] @ ww["fc.weight"].T
         e1, e2 = F.embedding(seqs[:, 1:], table), F.embedding(seqs[:, 2:], table)
         o1 = _ref_layer(cfg, ww, e1, f1, pos1, mask[None, :n1, :n1])
-        o2 = _ref_layer(cfg, ww, torch.cat([e1, e2], 1), torch.cat([f1, o1[:, :-1]], 1), torch.cat([pos1, pos1[:, 1:]], 1), mask[None])
+        o2 = _ref_layer(
+            cfg,
+            ww,
+            torch.cat([e1, e2], 1),
+            torch.cat([f1, o1[:, :-1]], 1),
+            torch.cat([pos1, pos1[:, 1:]], 1),
+            mask[None],
+        )
         loss = F.cross_entropy(_ref_draft_logits(cfg, ww, o1).flatten(0, 1), label[:, 1:].flatten()) + F.cross_entropy(
             _ref_draft_logits(cfg, ww, o2[:, n1:]).flatten(0, 1), label[:, 2:].flatten()
         )
@@ -303,6 +319,14 @@ def test_compiled_round_is_one_graph_and_stays_warm(shape, head_dir, one_thread)
     ids, mask = left_padded(10, (0, 3), seed=7)
     _assert_greedy_equal(target, spec, ids, mask, new=16)
     assert [e.key[0] for e in spec.compile_events] == ["round"]
+    round_graph = max(spec.graphs, key=lambda g: g.nodes)
+    # KV writes (keys, values): the verification in 4 target layers, the head's observe and its
+    # draft forwards (K - 1 chained steps, or one per tree level with children), and for the
+    # tree the accepted path's compaction in the 4 target layers (the head moves nothing)
+    head_forwards = 1 + (2 if shape == "chain" else len(draft_levels(TREE)))
+    assert dict(round_graph.report.sites)["check_static_kv"] == 2 * (
+        LAYERS + head_forwards + (shape == "tree") * LAYERS
+    )
     ids, mask = left_padded(7, (2, 0), seed=8)
     with torch._dynamo.config.patch(error_on_recompile=True):
         _assert_greedy_equal(target, spec, ids, mask, new=16)
@@ -313,15 +337,227 @@ def test_compiled_round_is_one_graph_and_stays_warm(shape, head_dir, one_thread)
 V = 6  # test_lossless's vocabulary, enumerated exactly
 
 
-@pytest.mark.parametrize(("draft_vocab", "shape"), [(V, dict(num_speculative_tokens=2)), (4, dict(num_speculative_tokens=3)), (4, dict(tree=TREE))])
-def test_sampling_matches_exact_distribution(draft_vocab, shape, tmp_path, one_thread):
+def _sampling_target(draft_vocab: int, path):
+    """test_lossless's target with LAYERS layers, and a random head for it saved at ``path``."""
     target = tiny_causal_lm("llama", vocab_size=V, num_layers=LAYERS, eos_token_id=None, initializer_range=0.12, seed=3)
     target.generation_config.eos_token_id = None
-    Eagle3.random(target, draft_vocab_size=draft_vocab, layer_ids=TAPS, seed=5).save(tmp_path)
-    prompt_ids = [1, 4, 2]
-    probs = _exact(target, prompt_ids, LogitsProcessorList())
-    spec = specfx.speculate(target, draft=Eagle3(tmp_path), compile=False, **shape)
+    Eagle3.random(target, draft_vocab_size=draft_vocab, layer_ids=TAPS, seed=5).save(path)
+    return target, _exact(target, [1, 4, 2], LogitsProcessorList())
+
+
+@pytest.mark.parametrize(("draft_vocab", "k"), [(V, 2), (4, 3)])
+def test_sampling_matches_exact_distribution(draft_vocab, k, tmp_path, one_thread):
+    target, probs = _sampling_target(draft_vocab, tmp_path)
+    drafter = _Recording(tmp_path)
+    drafter.rounds = []
+    spec = specfx.speculate(target, draft=drafter, num_speculative_tokens=k, **TREE_OPTIONS)
     torch.manual_seed(99)
-    out = spec.generate(torch.tensor([prompt_ids]).repeat(ROWS, 1), do_sample=True, max_new_tokens=NEW, pad_token_id=0)
+    out = spec.generate(torch.tensor([[1, 4, 2]]).repeat(ROWS, 1), do_sample=True, max_new_tokens=NEW, pad_token_id=0)
     assert 0.05 < spec.stats.acceptance_rate < 0.95  # accept and correction paths both exercised
-    assert _chisquare(out[:, len(prompt_ids) :].tolist(), probs) > 1e-3
+    assert _chisquare(out[:, 3:].tolist(), probs) > 1e-3
+    # q is zero outside the draft vocabulary: nothing else is ever proposed
+    drafted = torch.cat([proposals for _, _, proposals in drafter.rounds]).unique()
+    in_vocab = torch.arange(draft_vocab) + _read(tmp_path)[1]["d2t"]
+    assert set(drafted.tolist()) <= set(in_vocab.tolist()) and len(drafted) > 1
+
+
+def test_tree_sampling_with_a_reduced_draft_vocabulary_matches_exact_distribution(tmp_path, one_thread):
+    """Children are the head's top-ranked tokens over its 4-id draft vocabulary of the target's 6."""
+    target, probs = _sampling_target(4, tmp_path)
+    samples, stats = _tree_samples(target, Eagle3(tmp_path), TREE)
+    _assert_both_paths_at_several_depths(stats)
+    assert _chisquare(samples, probs) > 1e-3
+
+
+# ----------------------------------------------------------------------------- the layout
+def test_save_round_trip_and_vllm_naming(head_dir, tmp_path, one_thread):
+    path = head_dir("llama")
+    cfg, tensors = _read(path)
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == TAPS and cfg["draft_vocab_size"] == DRAFT_VOCAB
+    assert cfg["vocab_size"] == 128 and "target_hidden_size" not in cfg  # SafeAILab then shares the target's embedding
+    assert "embed_tokens.weight" not in tensors and tensors["t2d"].sum() == DRAFT_VOCAB
+    assert tuple(tensors["fc.weight"].shape) == (64, 3 * 64) and tensors["d2t"].dtype == torch.int64
+    head = Eagle3(path)
+    again = head.save(tmp_path / "again")
+    cfg2, tensors2 = _read(again)
+    assert cfg2 == cfg and tensors2.keys() == tensors.keys()
+    assert all(torch.equal(tensors[k], tensors2[k]) for k in tensors)
+    # vLLM's converted checkpoints name the midlayer layers.0: the same head
+    renamed = tmp_path / "vllm"
+    renamed.mkdir()
+    (renamed / "config.json").write_text(json.dumps(cfg))
+    save_file({k.replace("midlayer.", "layers.0."): v for k, v in tensors.items()}, renamed / "model.safetensors")
+    target = _target("llama")
+    ids = prompt(9, seed=6)
+    out = [specfx.speculate(target, draft=Eagle3(p), num_speculative_tokens=3, compile=False) for p in (path, renamed)]
+    new = [spec.generate(ids, max_new_tokens=12) for spec in out]
+    assert torch.equal(new[0], new[1]) and torch.equal(new[0], target.generate(ids, max_new_tokens=12))
+    assert out[0].stats.per_position == out[1].stats.per_position
+    # a bound head saves what it runs: its tensors, in the target's dtype
+    cfg3, tensors3 = _read(out[0].drafter.save(tmp_path / "bound"))
+    assert cfg3["eagle_aux_hidden_state_layer_ids"] == TAPS
+    assert all(torch.equal(tensors[k], tensors3[k]) for k in tensors)
+
+
+def test_tap_conventions():
+    """vLLM's top-level ids are layer inputs; SpecForge/SGLang's nested ids are layer outputs
+    (the input of the next layer); the default is the inputs of layers 2, L // 2, L - 3."""
+    layers = 32
+    expected = ("layer:2", "layer:16", "layer:29")
+    assert resolve_taps({}, layers) == expected
+    assert resolve_taps({"eagle_aux_hidden_state_layer_ids": [2, 16, 29]}, layers) == expected
+    assert resolve_taps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 15, 28]}}, layers) == expected
+    both = {
+        "eagle_aux_hidden_state_layer_ids": [2, 16, 29],
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]},
+    }
+    assert resolve_taps(both, layers) == expected  # the top-level key (vLLM's) wins
+    # the last layer's output (before the final norm) is id L, or L - 1 as an output id
+    assert resolve_taps({"eagle_aux_hidden_state_layer_ids": [2, 16, 32]}, layers)[-1] == "last"
+    assert resolve_taps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 15, 31]}}, layers)[-1] == "last"
+    assert resolve_taps({}, 7) == ("layer:2", "layer:3", "layer:4")
+
+
+def test_a_head_with_its_own_hidden_size_brings_its_own_embedding(tmp_path, one_thread):
+    """A 32-wide head for a 64-wide target (target_hidden_size 64): fc takes 3 x 64, the
+    midlayer runs at 32 with its own embedding table; a copy of the target's table is shared."""
+    target = _target("llama")
+    small = _target("llama", hidden_size=32, intermediate_size=64, seed=1)
+    Eagle3.random(small, draft_vocab_size=DRAFT_VOCAB, layer_ids=TAPS, seed=3).save(tmp_path)
+    cfg, tensors = _read(tmp_path)
+    cfg["target_hidden_size"] = 64
+    tensors["fc.weight"] = torch.randn(32, 3 * 64, generator=torch.Generator().manual_seed(0)) * 0.1
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(
+        ValueError,
+        match=r"has hidden size 32 but the target's embedding has 64 columns; such a head must bring its own embed_tokens.weight",
+    ):
+        specfx.speculate(target, draft=Eagle3(tmp_path), compile=False)
+    table = small.get_input_embeddings().weight.detach().clone()
+    save_file({**tensors, "embed_tokens.weight": table}, tmp_path / "model.safetensors")
+    spec = specfx.speculate(target, draft=Eagle3(tmp_path), num_speculative_tokens=3, compile=False)
+    assert torch.equal(spec.drafter.embed_weight, table)
+    _assert_greedy_equal(target, spec, *_left_padded_batch())
+    cfg2, tensors2 = _read(spec.drafter.save(tmp_path / "again"))
+    assert cfg2["target_hidden_size"] == 64 and torch.equal(tensors2["embed_tokens.weight"], table)
+    # a checkpoint whose embed_tokens is the target's own table (SafeAILab saves its frozen copy): shared
+    path = tmp_path / "copy"
+    Eagle3.random(target, layer_ids=TAPS).save(path)
+    _, tensors = _read(path)
+    save_file(
+        {**tensors, "embed_tokens.weight": target.get_input_embeddings().weight.detach()}, path / "model.safetensors"
+    )
+    spec = specfx.speculate(target, draft=Eagle3(path), num_speculative_tokens=2, compile=False)
+    assert spec.drafter.embed_weight.data_ptr() == target.get_input_embeddings().weight.data_ptr()
+
+
+# ----------------------------------------------------------------------------- bad input
+def _edited(src, dst, config=None, drop=(), tensors=None):
+    """A copy of the head at ``src`` in ``dst`` with config keys replaced (None values removed),
+    tensors dropped or replaced."""
+    cfg, w = _read(src)
+    for k, v in (config or {}).items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    w = {k: v for k, v in {**w, **(tensors or {})}.items() if k not in drop}
+    dst.mkdir()
+    (dst / "config.json").write_text(json.dumps(cfg))
+    save_file(w, dst / "model.safetensors")
+    return dst
+
+
+BAD_HEADS = {
+    "missing tensor": (
+        dict(drop=["midlayer.mlp.down_proj.weight"]),
+        r"missing 1 tensor\(s\) of its layout: midlayer.mlp.down_proj.weight",
+    ),
+    "no d2t": (dict(drop=["d2t"]), r"missing 1 tensor\(s\) of its layout: d2t"),
+    "d2t size": (dict(tensors={"d2t": torch.zeros(90, dtype=torch.long)}), r"d2t has shape \[90\], expected \[100\]"),
+    "d2t range": (
+        dict(tensors={"d2t": torch.full((100,), 40, dtype=torch.long)}),
+        r"d2t maps draft ids outside the target vocabulary of 128 ids",
+    ),
+    "t2d": (
+        dict(tensors={"t2d": torch.ones(128, dtype=torch.bool)}),
+        r"t2d \(shape \[128\]\) does not mark exactly the 100 target ids",
+    ),
+    "lm_head": (
+        dict(tensors={"lm_head.weight": torch.zeros(90, 64)}),
+        r"lm_head.weight has shape \[90, 64\], expected \[100, 64\] \(\[draft_vocab_size 100",
+    ),
+    "no config": (dict(config={"hidden_size": None}), r"needs a positive int hidden_size"),
+    "fc_norm": (
+        dict(config={"fc_norm": True}),
+        r"sets fc_norm=True: an RMSNorm on each tapped state before fc .* does not implement",
+    ),
+    "two layers": (
+        dict(config={"num_hidden_layers": 2}),
+        r"has 2 decoder layers .* specfx runs EAGLE-3 heads with one layer",
+    ),
+    "dynamic rope": (
+        dict(config={"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}),
+        r"rotary scaling 'dynamic' changes with the sequence length",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_HEADS))
+def test_bad_checkpoints_are_clear_errors(case, head_dir, tmp_path):
+    edit, match = BAD_HEADS[case]
+    path = _edited(head_dir("llama"), tmp_path / "bad", **edit)
+    with pytest.raises(ValueError, match=match):
+        Eagle3(path)
+
+
+BAD_FOR_TARGET = {
+    "target hidden size": (dict(config={"target_hidden_size": 48}, tensors={"fc.weight": torch.zeros(64, 144)}),
+                           r"reads target hidden states of size 48 .* has hidden size 64"),
+    "layer ids out of range": (dict(config={"eagle_aux_hidden_state_layer_ids": [1, 2, 9]}), r"\[1, 2, 9\] .* out of range; the target has 4 decoder layers"),
+    "nested ids out of range": (dict(config={"eagle_aux_hidden_state_layer_ids": None, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 4]}}),
+                                r"eagle_config.eagle_aux_hidden_state_layer_ids = \[0, 1, 4\] .* out of range"),
+    "unsorted layer ids": (dict(config={"eagle_aux_hidden_state_layer_ids": [3, 1, 2]}), r"is not strictly ascending"),
+    "too few layers for the default": (dict(config={"eagle_aux_hidden_state_layer_ids": None}), r"the target has 4 decoder layers, too few for the default taps"),
+    "two ids for three taps": (dict(config={"eagle_aux_hidden_state_layer_ids": [1, 3]}), r"its fc takes 3 target hidden states but its config names 2 layers"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(BAD_FOR_TARGET))
+def test_heads_for_another_target_are_clear_errors(case, head_dir, tmp_path):
+    edit, match = BAD_FOR_TARGET[case]
+    path = _edited(head_dir("llama"), tmp_path / "bad", **edit)
+    target = _target("llama")
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(ValueError, match=match):
+        specfx.speculate(target, draft=f"eagle3:{path}", compile=False)
+    assert all(torch.equal(v, target.state_dict()[k]) for k, v in before.items())
+
+
+def test_vocabulary_mismatch_is_a_clear_error(head_dir):
+    with pytest.raises(ValueError, match=r"into a target vocabulary of 128 ids .* has 256"):
+        specfx.speculate(_target("llama", vocab_size=256), draft=Eagle3(head_dir("llama")), compile=False)
+
+
+def test_bad_paths_are_clear_errors(head_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"Eagle3\(path\): path is required"):
+        Eagle3(None)
+    with pytest.raises(ValueError, match=r"draft='eagle3' needs the head's checkpoint directory after a colon"):
+        specfx.speculate(_target("llama"), draft="eagle3", compile=False)
+    with pytest.raises(ValueError, match=r"is not an existing local directory .* specfx never downloads"):
+        Eagle3(tmp_path / "nowhere")
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "config.json").write_text((head_dir("llama") / "config.json").read_text())
+    (pickled / "pytorch_model.bin").write_bytes(b"never unpickled")
+    with pytest.raises(
+        ValueError,
+        match=r"has no \*.safetensors weights. It has pytorch_model.bin \(pickle\), which specfx never loads",
+    ):
+        Eagle3(pickled)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    save_file(_read(head_dir("llama"))[1], bare / "model.safetensors")
+    with pytest.raises(ValueError, match=r"has no config.json"):
+        Eagle3(bare)

@@ -511,9 +511,9 @@ class Eagle3(EagleBase):
         head.d2t, head.t2d = head.d2t.to(device), head.t2d.to(device)
         if own is not None:
             head.use_own_embedding(own.to(device=device, dtype=dtype))
-            self.own_embedding = None
         else:
             head.embed_tokens = None
+        self.own_embedding = None  # now the head's, or dropped for the target's
         self.embed_weight = head.embed_tokens.weight if head.embed_tokens is not None else table
         vocab, vd = target.vocab_size, head.draft_vocab_size
         targets = head.target_ids()
@@ -557,6 +557,8 @@ def _rope_keys(config) -> dict:
     """A target config's rotary settings as a head config.json writes them (``rope_theta``
     and, for scaled rotary, ``rope_scaling``: the keys every EAGLE-3 loader reads)."""
     params = dict(getattr(config, "rope_parameters", None) or {})
+    if "rope_type" not in params and "rope_theta" not in params and params:  # per layer type (Gemma 3)
+        params = dict(params.get("full_attention") or next(iter(params.values())))
     theta = params.pop("rope_theta", None) or getattr(config, "rope_theta", None) or 10000.0
     keys = {"rope_theta": float(theta)}
     if params.get("rope_type", "default") != "default":

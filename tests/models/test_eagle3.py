@@ -136,7 +136,10 @@ def _ref_layer(cfg, w, emb, feat, pos, mask):
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
     attn = scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1)
     out = torch.einsum("bhqk,bkhd->bqhd", attn, v).reshape(b, t, heads * d) @ w[p + "self_attn.o_proj.weight"].T
-    hidden = feat + out
+    normed = x[..., h:]
+    hidden = (
+        normed if cfg.get("norm_before_residual") else feat
+    ) + out  # vLLM's variant starts from the normed feature
     y = _rms(hidden, w[p + "post_attention_layernorm.weight"], eps)
     gate, up = y @ w[p + "mlp.gate_proj.weight"].T, y @ w[p + "mlp.up_proj.weight"].T
     return hidden + (F.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
@@ -226,7 +229,15 @@ class _Recording(Eagle3):
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])  # gemma2 scales its own embeddings; the head does not
 @pytest.mark.parametrize("shape", ["chain", "tree"])
 def test_proposals_equal_an_independent_reference_forward(arch, shape, head_dir, one_thread):
-    target, path = _target(arch), head_dir(arch)
+    _assert_proposals_equal_reference(_target(arch), head_dir(arch), shape)
+
+
+def test_vllm_norm_before_residual_variant_equals_the_reference(head_dir, tmp_path, one_thread):
+    path = _edited(head_dir("llama"), tmp_path / "variant", config={"norm_before_residual": True})
+    _assert_proposals_equal_reference(_target("llama"), path, "chain")
+
+
+def _assert_proposals_equal_reference(target, path, shape):
     drafter = _Recording(path)
     drafter.rounds = []
     kw = dict(num_speculative_tokens=3) if shape == "chain" else dict(tree=TREE)

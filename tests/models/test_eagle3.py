@@ -212,18 +212,22 @@ class _Reference:
         return nodes[1:]
 
 
-class _Recording(Eagle3):
-    """Records, per round, the committed tokens, the pending positions and the proposals."""
+def _recorded(drafter):
+    """``drafter`` with its propose/propose_tree wrapped (on the instance) to record, per
+    round, the pending positions, the committed tokens and the proposals; returns the list."""
+    rounds = []
 
-    def propose(self, ctx):
-        proposals, q = super().propose(ctx)
-        self.rounds.append((ctx.lengths.clone(), ctx.tokens.clone(), proposals.clone()))
-        return proposals, q
+    def wrap(method):
+        def recording(ctx):
+            out = method(ctx)
+            proposals = out[0] if isinstance(out, tuple) else out  # propose: (proposals, q)
+            rounds.append((ctx.lengths.clone(), ctx.tokens.clone(), proposals.clone()))
+            return out
 
-    def propose_tree(self, ctx):
-        proposals = super().propose_tree(ctx)
-        self.rounds.append((ctx.lengths.clone(), ctx.tokens.clone(), proposals.clone()))
-        return proposals
+        return recording
+
+    drafter.propose, drafter.propose_tree = wrap(drafter.propose), wrap(drafter.propose_tree)
+    return rounds
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])  # gemma2 scales its own embeddings; the head does not
@@ -238,8 +242,8 @@ def test_vllm_norm_before_residual_variant_equals_the_reference(head_dir, tmp_pa
 
 
 def _assert_proposals_equal_reference(target, path, shape):
-    drafter = _Recording(path)
-    drafter.rounds = []
+    drafter = Eagle3(path)
+    rounds = _recorded(drafter)
     kw = dict(num_speculative_tokens=3) if shape == "chain" else dict(tree=TREE)
     spec = specfx.speculate(target, draft=drafter, compile=False, **kw)
     ids, mask = left_padded(6, (0, 3), seed=5)
@@ -248,7 +252,7 @@ def _assert_proposals_equal_reference(target, path, shape):
     reference = _Reference(target, path)
     prompt_lengths = mask.sum(dim=1).tolist()
     checked = 0
-    for lengths, tokens, proposals in drafter.rounds:
+    for lengths, tokens, proposals in rounds:
         for b in range(ids.shape[0]):
             pending = int(lengths[b])
             if pending + 1 - prompt_lengths[b] >= new:
@@ -359,15 +363,15 @@ def _sampling_target(draft_vocab: int, path):
 @pytest.mark.parametrize(("draft_vocab", "k"), [(V, 2), (4, 3)])
 def test_sampling_matches_exact_distribution(draft_vocab, k, tmp_path, one_thread):
     target, probs = _sampling_target(draft_vocab, tmp_path)
-    drafter = _Recording(tmp_path)
-    drafter.rounds = []
+    drafter = Eagle3(tmp_path)
+    rounds = _recorded(drafter)
     spec = specfx.speculate(target, draft=drafter, num_speculative_tokens=k, **TREE_OPTIONS)
     torch.manual_seed(99)
     out = spec.generate(torch.tensor([[1, 4, 2]]).repeat(ROWS, 1), do_sample=True, max_new_tokens=NEW, pad_token_id=0)
     assert 0.05 < spec.stats.acceptance_rate < 0.95  # accept and correction paths both exercised
     assert _chisquare(out[:, 3:].tolist(), probs) > 1e-3
     # q is zero outside the draft vocabulary: nothing else is ever proposed
-    drafted = torch.cat([proposals for _, _, proposals in drafter.rounds]).unique()
+    drafted = torch.cat([proposals for _, _, proposals in rounds]).unique()
     in_vocab = torch.arange(draft_vocab) + _read(tmp_path)[1]["d2t"]
     assert set(drafted.tolist()) <= set(in_vocab.tolist()) and len(drafted) > 1
 

@@ -192,10 +192,10 @@ def resolve_taps(config: dict, num_layers: int, where: str = "the head's config.
 
 # ------------------------------------------------------------------------------ the head
 def _llama_config(config: dict, where) -> LlamaConfig:
-    """The head's decoder layer config (sizes, norm epsilon, activation, rotary) from its
-    config.json, with Llama's defaults for what is absent. ValueError for what is missing or
-    cannot run inside a round."""
-    for name in ("hidden_size", "num_attention_heads", "intermediate_size"):
+    """The head's decoder layer config (sizes, norm epsilon, activation, rotary, the target
+    vocabulary's size) from its config.json, with Llama's defaults for the optional keys.
+    ValueError for what is missing or cannot run inside a round."""
+    for name in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"):
         value = config.get(name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise _error(where, f"config.json needs a positive int {name}, got {value!r}.")

@@ -503,7 +503,8 @@ BAD_HEADS = {
         dict(tensors={"lm_head.weight": torch.zeros(90, 64)}),
         r"lm_head.weight has shape \[90, 64\], expected \[100, 64\] \(\[draft_vocab_size 100",
     ),
-    "no config": (dict(config={"hidden_size": None}), r"needs a positive int hidden_size"),
+    "no hidden size": (dict(config={"hidden_size": None}), r"needs a positive int hidden_size"),
+    "no vocab size": (dict(config={"vocab_size": None}), r"needs a positive int vocab_size"),
     "fc_norm": (
         dict(config={"fc_norm": True}),
         r"sets fc_norm=True: an RMSNorm on each tapped state before fc .* does not implement",

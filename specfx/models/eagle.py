@@ -37,6 +37,10 @@ out, the query's own slot always visible so no mask row is empty.
   and its ancestors' (the tree mask); its feature is its parent's output (the root's is the
   stash: the root is the pending token, whose entry observe committed at slot ``L``).
   :meth:`commit_tree` moves nothing: the next observe rewrites the accepted path's entries.
+* :meth:`EagleBase.propose_dynamic_tree` (EAGLE-2, ``TokenTree.eagle2()``): the same entries,
+  grown per row by :func:`specfx.tree_round.draft_dynamic_tree`: the ``k`` nodes expanded at a
+  depth run as one forward, each reading its parent's output, in the scratch slots and under
+  the per-row tree mask that function gives.
 
 Contract for subclasses (EAGLE-1/2 here, EAGLE-3 in :mod:`specfx.models.eagle3`)
 --------------------------------------------------------------------------------
@@ -71,7 +75,7 @@ from ..drafters import VERIFY_COST, Drafter, draft_chain
 from ..graph_utils import mark_static
 from ..masks import TreeView, check_attn_implementation, layer_pattern, mask_plan, to_format, visible_slots
 from ..runner import ModelRunner
-from ..tree_round import draft_tree, level_inputs, tree_view
+from ..tree_round import draft_dynamic_tree, draft_tree, level_inputs, tree_view
 from .heads import HeadCheckpoint, check_tensors, read_head, write_head
 
 __all__ = ["Eagle", "EagleBase", "from_name", "target_rotary"]
@@ -202,6 +206,18 @@ class EagleBase(Drafter):
             return self._logits(out)
 
         return draft_tree(ctx, self._logits(self.stash), step)
+
+    supports_dynamic_tree = True
+
+    def propose_dynamic_tree(self, ctx):
+        # EAGLE-2: the expanded nodes of each depth run as one draft forward, each reading its
+        # parent's output (the root's children: the stash), in the scratch slots the tree
+        # growth assigns; observe rewrites the accepted path's entries as for a static tree.
+        def step(ids, states, positions, slots, view):
+            out = self._entry(ids, states, positions, slots, view)  # [B, k, S]
+            return self._logits(out), out
+
+        return draft_dynamic_tree(ctx, self._logits(self.stash), self.stash, step)
 
     def commit_tree(self, src, dst) -> None:
         """Nothing to move: observe rewrites the accepted path's entries from the target's

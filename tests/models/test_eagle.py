@@ -26,7 +26,8 @@ from tests.test_lossless import NEW, ROWS, _chisquare, _exact
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "mixtral")
 TREE = TokenTree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
-MODES = {"chain": dict(num_speculative_tokens=3), "tree": dict(tree=TREE)}
+DYNAMIC = TokenTree.eagle2(budget=8, depth=3, branching=3)
+MODES = {"chain": dict(num_speculative_tokens=3), "tree": dict(tree=TREE), "dynamic": dict(tree=DYNAMIC)}
 
 _targets = {}
 
@@ -132,6 +133,33 @@ class _Reference:
             state[n] = (tokens, feats, self.last_output(tokens, feats))
         return drafts
 
+    def dynamic(self, seq, spec):
+        """EAGLE-2's growth for one row: the root's top k are the depth-1 candidates; at each
+        depth the k best candidates by cumulative log-probability are expanded into their top
+        k; the budget best of all candidates are the nodes, in candidate order. Returns
+        (tokens, parents) with parents[0] = 0 for the root."""
+        tokens, feats = list(seq[1:]), self.features(seq[:-1])
+        root = (tokens, feats, self.last_output(tokens, feats))
+        k = spec.branching
+
+        def children(state, first_id, parent_id, score):
+            top = self.logits(state[2]).float().log_softmax(-1).topk(k)
+            return [(first_id + r, t, parent_id, score + s, state) for r, (s, t) in enumerate(zip(top.values, top.indices.tolist(), strict=True))]
+
+        cands = children(root, 1, 0, 0.0)  # (id, token, parent id, score, parent's state)
+        frontier = cands
+        for _ in range(1, spec.depth):
+            level = []
+            for cid, token, _, score, (ptokens, pfeats, pout) in frontier:
+                state = (ptokens + [token], torch.cat([pfeats, pout]))
+                state += (self.last_output(*state),)
+                level += children(state, len(cands) + len(level) + 1, cid, score)
+            cands += level
+            frontier = sorted(level, key=lambda c: -float(c[3]))[:k]
+        chosen = sorted(sorted(cands, key=lambda c: -float(c[3]))[: spec.budget], key=lambda c: c[0])
+        node = {c[0]: i + 1 for i, c in enumerate(chosen)}
+        return [c[1] for c in chosen], [0] + [node.get(c[2], 0) for c in chosen]
+
 
 class _Recording(Eagle):
     """Records, per round, the committed tokens, lengths and the proposals made."""
@@ -145,6 +173,11 @@ class _Recording(Eagle):
         proposals = super().propose_tree(ctx)
         self.rounds.append((ctx.lengths.clone(), ctx.tokens.clone(), proposals.clone()))
         return proposals
+
+    def propose_dynamic_tree(self, ctx):
+        proposals, parents = super().propose_dynamic_tree(ctx)
+        self.rounds.append((ctx.lengths.clone(), ctx.tokens.clone(), (proposals.clone(), parents.clone())))
+        return proposals, parents
 
 
 def _check_against_reference(target, directory, mode, reference):
@@ -165,8 +198,11 @@ def _check_against_reference(target, directory, mode, reference):
             if pending + 1 - prompt_lengths[b] >= new:
                 continue  # finished row, carried along
             seq = tokens[b, : pending + 1].tolist()
-            expected = reference.chain(seq, 3) if mode == "chain" else reference.tree(seq, TREE)
-            assert proposals[b].tolist() == expected
+            if mode == "dynamic":
+                assert (proposals[0][b].tolist(), proposals[1][b].tolist()) == reference.dynamic(seq, DYNAMIC)
+            else:
+                expected = reference.chain(seq, 3) if mode == "chain" else reference.tree(seq, TREE)
+                assert proposals[b].tolist() == expected
             checked += 1
     assert checked >= 12
     assert spec.stats.accepted > 0  # some rounds committed more than one token

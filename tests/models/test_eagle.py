@@ -21,7 +21,7 @@ from specfx.models.eagle import Eagle
 from specfx.models.heads import write_head
 from specfx.models.tiny import tiny_causal_lm
 from specfx.tree import TokenTree
-from tests.conftest import left_padded, prompt
+from tests.conftest import active_rounds, left_padded, prompt
 from tests.test_lossless import NEW, ROWS, _chisquare, _exact
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "mixtral")
@@ -190,20 +190,14 @@ def _check_against_reference(target, directory, mode, reference):
     ids, mask = left_padded(6, (1, 3), seed=3, vocab=vocab)
     kw = dict(attention_mask=mask, max_new_tokens=new, pad_token_id=0)
     assert torch.equal(spec.generate(ids, **kw), target.generate(ids, **kw))
-    prompt_lengths = mask.sum(dim=1).tolist()
     checked = 0
-    for lengths, tokens, proposals in drafter.rounds:
-        for b in range(2):
-            pending = int(lengths[b])
-            if pending + 1 - prompt_lengths[b] >= new:
-                continue  # finished row, carried along
-            seq = tokens[b, : pending + 1].tolist()
-            if mode == "dynamic":
-                assert (proposals[0][b].tolist(), proposals[1][b].tolist()) == reference.dynamic(seq, DYNAMIC)
-            else:
-                expected = reference.chain(seq, 3) if mode == "chain" else reference.tree(seq, TREE)
-                assert proposals[b].tolist() == expected
-            checked += 1
+    for b, seq, proposals in active_rounds(drafter.rounds, mask.sum(dim=1).tolist(), new):
+        if mode == "dynamic":
+            assert (proposals[0][b].tolist(), proposals[1][b].tolist()) == reference.dynamic(seq, DYNAMIC)
+        else:
+            expected = reference.chain(seq, 3) if mode == "chain" else reference.tree(seq, TREE)
+            assert proposals[b].tolist() == expected
+        checked += 1
     assert checked >= 12
     assert spec.stats.accepted > 0  # some rounds committed more than one token
     return drafter

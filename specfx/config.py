@@ -58,14 +58,15 @@ class SpecConfig:
 
     def __post_init__(self):
         if self.tree is not None:
-            from .tree import TokenTree
+            from .tree import DynamicTree, TokenTree
 
             if self.num_speculative_tokens == AUTO:
                 raise ValueError(
                     "num_speculative_tokens='auto' chooses among chains of K; it cannot be combined with "
                     "tree=. Pass a tree, or 'auto' without a tree."
                 )
-            object.__setattr__(self, "tree", TokenTree(self.tree))
+            if not isinstance(self.tree, DynamicTree):
+                object.__setattr__(self, "tree", TokenTree(self.tree))
         k = self.num_speculative_tokens
         if k != AUTO and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS):
             raise ValueError(

@@ -96,6 +96,24 @@ class Drafter:
         token there): tree verification treats every proposal as one-hot."""
         raise NotImplementedError
 
+    # EAGLE-2's dynamic trees (TokenTree.eagle2()): drafters that score their nodes as they draft.
+    supports_dynamic_tree = False
+
+    def dynamic_tree_refusal(self) -> str | None:
+        """Why this drafter cannot grow dynamic (EAGLE-2) trees, or None if it can."""
+        if self.supports_dynamic_tree:
+            return None
+        return (
+            f"the {self.name} drafter cannot grow a dynamic tree (TokenTree.eagle2()), which needs a drafter "
+            f"that re-scores every node it drafts with the path's context (EAGLE heads: specfx.Eagle, "
+            f"specfx.Eagle3); use a static tree (a TokenTree) or a chain with this drafter."
+        )
+
+    def propose_dynamic_tree(self, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        """This round's tree for every row: node tokens ``[B, N]`` and parents ``[B, N+1]``
+        (parents before children; see :func:`specfx.tree_round.draft_dynamic_tree`)."""
+        raise NotImplementedError
+
     def prepare_tree(self, tree) -> None:
         """The :class:`~specfx.tree.TokenTree` every round will draft, or None for chains:
         called by ``speculate()`` after :meth:`bind` (and :meth:`tree_refusal`), before any

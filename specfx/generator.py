@@ -23,7 +23,7 @@ from .passes.backend import GraphRecord, GraphRecords, make_backend
 from .round import RoundState, prefill_step, round_step
 from .runner import ModelRunner
 from .stats import SpecStats
-from .tree import TokenTree
+from .tree import DynamicTree, TokenTree
 from .tree_round import tree_round_step
 
 __all__ = ["CompileEvent", "SpeculativeGenerator", "speculate"]
@@ -109,16 +109,22 @@ class SpeculativeGenerator:
             config = dataclasses.replace(config, num_speculative_tokens=self.tree.size, tree=None)
             self.spec_config, self.tree = config, None
         if self.tree is not None:
-            for why in (self.target_runner.tree_refusal(), self.drafter.tree_refusal()):
+            drafter_refusal = self.drafter.dynamic_tree_refusal if isinstance(self.tree, DynamicTree) else self.drafter.tree_refusal
+            for why in (self.target_runner.tree_refusal(), drafter_refusal()):
                 if why is not None:
                     raise ValueError(f"speculate(tree=...): {why}")
+        if isinstance(self.tree, DynamicTree) and self.tree.branching > self.target_runner.vocab_size:
+            raise ValueError(
+                f"speculate(tree={self.tree!r}): branching={self.tree.branching} exceeds the target's vocabulary "
+                f"of {self.target_runner.vocab_size} tokens; lower branching."
+            )
         self.drafter.prepare_tree(self.tree)
         self.auto_k = None  # AutoK for num_speculative_tokens="auto"; .history lists the Ks used
         if config.num_speculative_tokens == AUTO:
             cost = config.auto_k_cost
             self.auto_k = AutoK(config.k_values, self.drafter.proposal_cost(self.target_runner) if cost is None else cost)
         # proposals per round at most (buffers keep this many scratch slots past the pending token)
-        self.k = max(config.k_values) if self.tree is None else self.tree.size
+        self.k = max(config.k_values) if self.tree is None else self.tree.scratch_slots
         self._positions = self.k if self.tree is None else self.tree.depth  # accepted per round at most
         self.vocab = self.target_runner.vocab_size
         self.state: RoundState | None = None
@@ -178,7 +184,7 @@ class SpeculativeGenerator:
         return prefill_step(self.target_runner, self.drafter, self.state, ids, self.vocab, sample, collect)
 
     def _round_impl(self, k, sample: bool, collect: bool):
-        if isinstance(k, TokenTree):
+        if isinstance(k, (TokenTree, DynamicTree)):
             return tree_round_step(self.target_runner, self.drafter, self.state, k, self.vocab, sample, collect)
         return round_step(self.target_runner, self.drafter, self.state, k, self.vocab, sample, collect)
 

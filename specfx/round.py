@@ -103,7 +103,8 @@ class RoundContext:
         self.state = state
         self.k = k  # proposals this round (a tree's node count)
         self.token_tree = tree  # the round's TokenTree (None: a chain of K)
-        self.tree = tree.tensors(state.tokens.device) if tree is not None else None  # its TreeTensors
+        # its TreeTensors (a DynamicTree's are the drafter's, set by the round once drafted)
+        self.tree = tree.tensors(state.tokens.device) if isinstance(tree, TokenTree) else None
         self.vocab = vocab
         self.sample = sample  # sampling or greedy: a graph constant (one graph per mode)
         self.tokens = state.tokens

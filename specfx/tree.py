@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MAX_TREE_NODES", "TokenTree", "TreeTensors", "resolve_tree"]
+__all__ = ["MAX_TREE_NODES", "DynamicTree", "TokenTree", "TreeTensors", "resolve_tree"]
 
 # Nodes one round verifies at most: the target's forward grows by one column per node, and the
 # acceptance walk is unrolled over nodes. EAGLE's and Medusa's default trees have 60-63.
@@ -150,6 +150,14 @@ class TokenTree:
         top1 = (0.75, 0.5, 0.38, 0.3)
         return cls.from_accuracies(lambda d, r: top1[d - 1] * 0.35**r, budget, len(top1), 10)
 
+    @staticmethod
+    def eagle2(budget: int = 60, depth: int = 6, branching: int = 10) -> DynamicTree:
+        """EAGLE-2's dynamic tree: a different tree every round and row, grown from the draft's
+        own confidence (see :class:`DynamicTree`); only drafters that can score nodes as they
+        draft them (EAGLE heads) take it. Defaults: the EAGLE-2 paper's 60 nodes, depth 6 and
+        top-10 expansion."""
+        return DynamicTree(budget, depth, branching)
+
     @classmethod
     def eagle(cls, budget: int = 63) -> TokenTree:
         """An EAGLE-style tree of ``budget`` nodes: depth up to 5, top-10 per node, under
@@ -195,6 +203,11 @@ class TokenTree:
         parents = self.parents
         return any(parents[m] == n for m in range(1, self.size + 1))
 
+    @property
+    def scratch_slots(self) -> int:
+        """KV slots past the pending token a round writes (one per node)."""
+        return self.size
+
     def tensors(self, device) -> TreeTensors:
         return TreeTensors.from_parents(torch.tensor(self.parents, device=device).unsqueeze(0), self.depth)
 
@@ -202,6 +215,63 @@ class TokenTree:
         if self.is_chain:
             return f"TokenTree.chain({self.size})"
         return f"TokenTree({list(self.nodes)})"
+
+
+@dataclass(frozen=True)
+class DynamicTree:
+    """EAGLE-2's context-dependent token tree: the shape of a round whose tree the drafter
+    chooses per row and per round from its own scores (``TokenTree.eagle2()``).
+
+    Each round (:func:`specfx.tree_round.draft_dynamic_tree`): the root's top ``branching``
+    draft tokens are the depth-1 candidates; at each depth ``d < depth`` the ``branching``
+    candidates of depth ``d`` with the highest cumulative draft log-probability (the sum along
+    their path) are expanded, each into its top ``branching`` children, giving
+    ``branching**2`` candidates at depth ``d + 1``. Of all ``branching + (depth - 1) *
+    branching**2`` candidates the ``budget`` best by cumulative log-probability are verified,
+    as a tree: a child never scores above its parent, so the chosen set holds every chosen
+    node's ancestors. Shapes are fixed (``budget`` nodes, ``depth - 1`` draft forwards of
+    ``branching`` nodes); only the tree's tables (parents, depths, ancestors) are data, made
+    on the device with no host sync.
+    """
+
+    budget: int
+    depth: int
+    branching: int
+
+    def __post_init__(self):
+        _positive_ints(budget=self.budget, depth=self.depth, branching=self.branching)
+        if self.budget > MAX_TREE_NODES:
+            raise ValueError(
+                f"TokenTree.eagle2(budget={self.budget}): at most {MAX_TREE_NODES} nodes are verified per round."
+            )
+        if self.budget > self.candidates:
+            raise ValueError(
+                f"TokenTree.eagle2(budget={self.budget}, depth={self.depth}, branching={self.branching}) has only "
+                f"{self.candidates} candidates (branching + (depth - 1) * branching**2) to choose {self.budget} "
+                f"nodes from; lower budget or raise depth/branching."
+            )
+
+    @property
+    def candidates(self) -> int:
+        return self.branching + (self.depth - 1) * self.branching**2
+
+    @property
+    def size(self) -> int:
+        """N, the nodes verified per round."""
+        return self.budget
+
+    @property
+    def is_chain(self) -> bool:
+        return False
+
+    @property
+    def scratch_slots(self) -> int:
+        """KV slots past the pending token a round writes: the verified nodes, and the nodes
+        the drafter expands (``branching`` per depth below the last)."""
+        return max(self.budget, (self.depth - 1) * self.branching)
+
+    def __repr__(self) -> str:
+        return f"TokenTree.eagle2(budget={self.budget}, depth={self.depth}, branching={self.branching})"
 
 
 @dataclass
@@ -243,5 +313,7 @@ def resolve_tree(tree, num_speculative_tokens) -> TokenTree | None:
     ``num_speculative_tokens`` (a tree that is a chain also becomes None: the chain round)."""
     if tree is None:
         return None
+    if isinstance(tree, DynamicTree):
+        return tree
     t = tree if isinstance(tree, TokenTree) else TokenTree(tree)
     return None if t.is_chain else t

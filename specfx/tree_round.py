@@ -23,9 +23,17 @@ import torch
 from .masks import TreeView
 from .round import RoundContext, commit, record, truncate
 from .sampling import _emit, sample_from, uniform
-from .tree import TokenTree, TreeTensors
+from .tree import DynamicTree, TokenTree, TreeTensors
 
-__all__ = ["draft_levels", "draft_tree", "level_inputs", "tree_accept", "tree_round_step", "tree_view"]
+__all__ = [
+    "draft_dynamic_tree",
+    "draft_levels",
+    "draft_tree",
+    "level_inputs",
+    "tree_accept",
+    "tree_round_step",
+    "tree_view",
+]
 
 _STREAM_TREE_ACCEPT = 1002
 _STREAM_TREE_RESIDUAL = 1003
@@ -60,6 +68,72 @@ def draft_tree(ctx, root_logits: torch.Tensor, step) -> torch.Tensor:
     for queries in draft_levels(tree):
         expand(queries, step(queries, drafted()))
     return torch.cat(columns[1:], dim=1)
+
+
+def draft_dynamic_tree(ctx, root_logits: torch.Tensor, root_state: torch.Tensor, step):
+    """Grow this round's EAGLE-2 tree (``ctx.token_tree``, a :class:`~specfx.tree.DynamicTree`
+    of budget N, depth D, branching k) per row, and return ``(tokens [B, N], parents [B, N+1])``:
+    the node tokens and each node's parent (0 = the root), parents before children.
+
+    ``root_logits [B, 1, V]`` are the draft's logits at the pending token and ``root_state [B,
+    1, S]`` what its children read (an EAGLE head's output there). ``step(ids, states,
+    positions, slots, view) -> (logits [B, k, V], states [B, k, S])`` runs the drafter on the k
+    nodes expanded at one depth d (1..D-1): their tokens ``ids [B, k]``, their parents' states,
+    at position ``L + d``, in scratch slots ``L + f`` where f = (d-1)k+1 .. dk numbers the
+    expanded nodes, with ``view`` (a :class:`~specfx.masks.TreeView` over the expanded nodes,
+    per-row tables) showing each the committed prefix and its own expanded ancestors.
+
+    Scores are the draft's raw log-probabilities (no temperature or warpers), summed along a
+    path; the tree is fixed before verification and every node is a deterministic choice, so
+    any such rule keeps sampling lossless. Ties go to the earlier candidate (a stable sort), so
+    a parent always outranks its children and the N chosen form a tree."""
+    spec: DynamicTree = ctx.token_tree
+    k, depth, n = spec.branching, spec.depth, spec.size
+    b = root_logits.shape[0]
+    device = root_logits.device
+    lengths = ctx.lengths.unsqueeze(1)  # [B, 1]
+    score, token = root_logits[:, 0].float().log_softmax(-1).topk(k, dim=-1)  # [B, k] depth 1
+    tokens, scores = [token], [score]
+    parents = [torch.zeros((b, k), dtype=torch.long, device=device)]  # candidate ids, 0 = the root
+    # the expanded nodes ("frontier"), k per depth 1..D-1, numbered f = 1..(D-1)k; their tables
+    expanded = (depth - 1) * k
+    f_depth = torch.tensor([0] + [d for d in range(1, depth) for _ in range(k)], device=device).unsqueeze(0)
+    f_anc = torch.eye(expanded + 1, dtype=torch.bool, device=device).expand(b, -1, -1)
+    f_cand = torch.arange(1, k + 1, device=device).expand(b, k)  # candidate id of each frontier node
+    f_parent = torch.zeros((b, k), dtype=torch.long, device=device)  # its parent's frontier number
+    f_token, f_score = token, score
+    f_state = root_state.expand(b, k, root_state.shape[-1])
+    next_id = k + 1  # the first candidate id of the next depth
+    for d in range(1, depth):
+        level = tuple(range((d - 1) * k + 1, d * k + 1))
+        rows = torch.tensor(level, device=device)
+        own = torch.arange(expanded + 1, device=device) == rows.view(1, k, 1)  # [1, k, F+1]: itself
+        inherited = f_anc.gather(1, f_parent.unsqueeze(-1).expand(b, k, expanded + 1))  # its parent's row
+        f_anc = f_anc.index_copy(1, rows, inherited | own)
+        view = TreeView(ctx.lengths, f_depth, f_anc, level)
+        logits, out = step(f_token, f_state, (lengths + d).expand(b, k), lengths + rows, view)
+        child_score, child = logits.float().log_softmax(-1).topk(k, dim=-1)  # [B, k, k]
+        cum = (f_score.unsqueeze(-1) + child_score).reshape(b, k * k)
+        child = child.reshape(b, k * k)
+        tokens.append(child)
+        scores.append(cum)
+        parents.append(f_cand.unsqueeze(-1).expand(b, k, k).reshape(b, k * k))
+        if d < depth - 1:  # the next frontier: the k best of these k * k
+            f_score, pick = cum.topk(k, dim=-1)  # [B, k]
+            f_token = child.gather(1, pick)
+            f_cand = next_id + pick
+            f_parent = rows[pick // k]  # frontier numbers of their parents
+            f_state = out.gather(1, (pick // k).unsqueeze(-1).expand(-1, -1, out.shape[-1]))
+        next_id += k * k
+    token, score, parent = torch.cat(tokens, dim=1), torch.cat(scores, dim=1), torch.cat(parents, dim=1)  # [B, M]
+    best = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :n]
+    chosen = best.sort(dim=1).values  # candidate order: depths in order, parents first
+    # node number of each candidate id (0: the root, or not chosen)
+    node_of = torch.zeros((b, token.shape[1] + 1), dtype=torch.long, device=device)
+    node_of = node_of.scatter(1, chosen + 1, torch.arange(1, n + 1, device=device).expand(b, n))
+    node_parent = node_of.gather(1, parent.gather(1, chosen))  # [B, N]
+    zero = torch.zeros((b, 1), dtype=torch.long, device=device)
+    return token.gather(1, chosen), torch.cat([zero, node_parent], dim=1)
 
 
 def draft_levels(tree: TokenTree) -> list[tuple[int, ...]]:
@@ -145,8 +219,11 @@ def tree_accept(
     return cur, sample_from(residual, u_residual), p
 
 
-def tree_round_step(target, drafter, state, tree: TokenTree, vocab: int, sample: bool, collect: bool = False):
-    """One token-tree round for every row (see the module docstring).
+def tree_round_step(target, drafter, state, tree: TokenTree | DynamicTree, vocab: int, sample: bool, collect: bool = False):
+    """One token-tree round for every row (see the module docstring). With a
+    :class:`~specfx.tree.DynamicTree` the drafter also chooses each row's tree
+    (:meth:`~specfx.drafters.Drafter.propose_dynamic_tree`), and its tables replace the static
+    ones for verification, the walk and compaction.
 
     Returns tokens ``[B, D+1]`` (emitted, PLACEHOLDER past ``n_emitted``) and n_emitted ``[B]``;
     with ``collect`` also the processed scores and raw logits each emitted token was chosen
@@ -155,13 +232,17 @@ def tree_round_step(target, drafter, state, tree: TokenTree, vocab: int, sample:
     s = state
     s.counter.add_(1)
     ctx = RoundContext(s, tree.size, vocab, sample, tree=tree)
-    tt = ctx.tree
     n, d = tree.size, tree.depth
     b = s.tokens.shape[0]
     active = ~s.finished
     lengths = s.lengths
 
-    proposals = drafter.propose_tree(ctx)  # [B, N]
+    if isinstance(tree, DynamicTree):
+        proposals, parents = drafter.propose_dynamic_tree(ctx)  # [B, N], [B, N+1]
+        ctx.tree = TreeTensors.from_parents(parents, d)
+    else:
+        proposals = drafter.propose_tree(ctx)  # [B, N]
+    tt = ctx.tree
     pending = s.tokens.gather(1, lengths.unsqueeze(1))  # [B, 1]
     ids = torch.cat([pending, proposals], dim=1)  # [B, N+1]
     nodes = tuple(range(n + 1))

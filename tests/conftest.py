@@ -25,6 +25,18 @@ def left_padded(length: int, pads, seed: int = 0, vocab: int = 128):
     return ids * mask, mask
 
 
+def active_rounds(rounds, prompt_lengths, new: int):
+    """From a recording drafter's rounds ``(lengths [B], tokens [B, C], proposals)``, yield
+    ``(row, committed, proposals)`` for every row still generating in that round: ``committed``
+    the row's tokens up to and including the pending one (finished rows are carried along and
+    skipped; ``new`` is max_new_tokens)."""
+    for lengths, tokens, proposals in rounds:
+        for b, prompt_length in enumerate(prompt_lengths):
+            pending = int(lengths[b])
+            if pending + 1 - prompt_length < new:
+                yield b, tokens[b, : pending + 1].tolist(), proposals
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine OpenMP

@@ -18,7 +18,7 @@ import specfx
 from specfx import mtp as mtp_module
 from specfx.models.tiny import tiny_causal_lm
 from specfx.tree import TokenTree
-from tests.conftest import left_padded, prompt
+from tests.conftest import active_rounds, left_padded, prompt
 from tests.test_lossless import NEW, ROWS, _chisquare, _exact
 
 MtpModel = mtp_module.mtp_support()
@@ -127,15 +127,10 @@ def test_drafts_equal_hf_mtp_model_in_every_round(arch, m, one_thread):
     ids, mask = _left_padded(batch=2, length=6, vocab=vocab, pads=(1, 3))
     kw = dict(attention_mask=mask, max_new_tokens=new, pad_token_id=0)
     assert torch.equal(spec.generate(ids, **kw), target.generate(ids, **kw))
-    prompt_lengths = mask.sum(dim=1).tolist()
     checked = 0
-    for lengths, tokens, proposals in drafter.rounds:
-        for b in range(2):
-            pending = int(lengths[b])
-            if pending + 1 - prompt_lengths[b] >= new:
-                continue  # finished row, carried along
-            assert proposals[b].tolist() == _hf_drafts(target, layers, tokens[b, : pending + 1].tolist())
-            checked += 1
+    for b, committed, proposals in active_rounds(drafter.rounds, mask.sum(dim=1).tolist(), new):
+        assert proposals[b].tolist() == _hf_drafts(target, layers, committed)
+        checked += 1
     assert checked >= 20
     assert spec.stats.accepted > 0  # some rounds committed more than one token
 

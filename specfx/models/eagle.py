@@ -37,6 +37,10 @@ out, the query's own slot always visible so no mask row is empty.
   and its ancestors' (the tree mask); its feature is its parent's output (the root's is the
   stash: the root is the pending token, whose entry observe committed at slot ``L``).
   :meth:`commit_tree` moves nothing: the next observe rewrites the accepted path's entries.
+* :meth:`EagleBase.propose_dynamic_tree` (EAGLE-2, ``TokenTree.eagle2()``): the same entries,
+  grown per row by :func:`specfx.tree_round.draft_dynamic_tree`: the ``k`` nodes expanded at a
+  depth run as one forward, each reading its parent's output, in the scratch slots and under
+  the per-row tree mask that function gives.
 
 Contract for subclasses (EAGLE-1/2 here, EAGLE-3 in :mod:`specfx.models.eagle3`)
 --------------------------------------------------------------------------------
@@ -71,7 +75,7 @@ from ..drafters import VERIFY_COST, Drafter, draft_chain
 from ..graph_utils import mark_static
 from ..masks import TreeView, check_attn_implementation, layer_pattern, mask_plan, to_format, visible_slots
 from ..runner import ModelRunner
-from ..tree_round import draft_tree, level_inputs, tree_view
+from ..tree_round import draft_dynamic_tree, draft_tree, level_inputs, tree_view
 from .heads import HeadCheckpoint, check_tensors, read_head, write_head
 
 __all__ = ["Eagle", "EagleBase", "from_name", "target_rotary"]
@@ -203,6 +207,18 @@ class EagleBase(Drafter):
 
         return draft_tree(ctx, self._logits(self.stash), step)
 
+    supports_dynamic_tree = True
+
+    def propose_dynamic_tree(self, ctx):
+        # EAGLE-2: the expanded nodes of each depth run as one draft forward, each reading its
+        # parent's output (the root's children: the stash), in the scratch slots the tree
+        # growth assigns; observe rewrites the accepted path's entries as for a static tree.
+        def step(ids, states, positions, slots, view):
+            out = self._entry(ids, states, positions, slots, view)  # [B, k, S]
+            return self._logits(out), out
+
+        return draft_dynamic_tree(ctx, self._logits(self.stash), self.stash, step)
+
     def commit_tree(self, src, dst) -> None:
         """Nothing to move: observe rewrites the accepted path's entries from the target's
         features, which is what the head would have computed had it seen only those tokens."""
@@ -235,42 +251,67 @@ def _rope_theta(config) -> float | None:
     return theta
 
 
-def _decoder_layer(model, overrides: dict, owner: str) -> tuple[nn.Module, object]:
-    """A fresh instance of ``model``'s own decoder-layer class, built with its config (sizes
-    overridden by ``overrides``) as layer 0, its input norm replaced by identity (EAGLE's layer
-    has none: the fc output enters attention as is). Returns ``(layer, config)``."""
+def _target_layer(model, owner: str) -> nn.Module:
+    """``model``'s first decoder layer (found generically, :func:`specfx.early_exit.decoder_layer_names`)."""
     from ..early_exit import decoder_layer_names
 
-    name = type(model).__name__
     try:
-        proto = model.get_submodule(decoder_layer_names(model)[0])
+        return model.get_submodule(decoder_layer_names(model)[0])
     except ValueError as e:
         raise ValueError(f"{owner}: {e} EAGLE heads reuse the target's decoder-layer class.") from None
-    config = copy.deepcopy(model.config.get_text_config())
-    for key, value in overrides.items():
-        setattr(config, key, value)
+
+
+def _head_layer(cls, config, model, owner: str) -> nn.Module:
+    """``cls(config, 0)`` with its input norm replaced by identity (EAGLE's layer has none: the
+    fc output enters attention as is), checked to have the target's head size (it runs with the
+    target's rotary embedding)."""
+    name = cls.__name__
     try:
-        layer = type(proto)(config, 0)
+        layer = cls(config, 0)
     except Exception as e:
         raise ValueError(
-            f"{owner}: {name}'s decoder layer ({type(proto).__name__}) cannot be built as "
-            f"{type(proto).__name__}(config, layer_idx=0) ({type(e).__name__}: {e}); EAGLE heads need "
-            f"a target whose decoder layers are built that way (Llama, Qwen, Mistral, Gemma, Mixtral, ...)."
+            f"{owner}: {type(model).__name__}'s decoder layer ({name}) cannot be built as {name}(config, "
+            f"layer_idx=0) ({type(e).__name__}: {e}); EAGLE heads need a target whose decoder layers are "
+            f"built that way (Llama, Qwen, Mistral, Gemma, Mixtral, ...)."
         ) from e
     if not isinstance(getattr(layer, "input_layernorm", None), nn.Module):
         raise ValueError(
-            f"{owner}: {name}'s decoder layer ({type(proto).__name__}) has no input_layernorm, which "
-            f"EAGLE's layer drops (its input is the fc output); this target's layers are not of that form."
+            f"{owner}: {type(model).__name__}'s decoder layer ({name}) has no input_layernorm, which EAGLE's "
+            f"layer drops (its input is the fc output); this target's layers are not of that form."
         )
     layer.input_layernorm = nn.Identity()
     head_dim = getattr(getattr(layer, "self_attn", None), "head_dim", None)
-    target_dim = getattr(getattr(proto, "self_attn", None), "head_dim", None)
+    target_dim = getattr(getattr(_target_layer(model, owner), "self_attn", None), "head_dim", None)
     if head_dim != target_dim:
         raise ValueError(
             f"{owner}: the head's attention has head_dim {head_dim} but the target's has {target_dim}; "
             f"the head runs with the target's rotary embedding, so its heads must have the target's size."
         )
-    return layer.eval(), config
+    return layer.eval()
+
+
+def _decoder_layer(model, overrides: dict, owner: str) -> tuple[nn.Module, object]:
+    """A fresh layer 0 of ``model``'s own decoder-layer class, built with its config (sizes
+    overridden by ``overrides``), without its input norm. Returns ``(layer, config)``."""
+    config = copy.deepcopy(model.config.get_text_config())
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return _head_layer(type(_target_layer(model, owner)), config, model, owner), config
+
+
+def _dense_llama_layer(model, overrides: dict, owner: str) -> tuple[nn.Module, object]:
+    """transformers' ``LlamaDecoderLayer`` sized like ``model`` (then ``overrides``), full
+    attention, without its input norm: the layer SafeAILab's EAGLE-1/2 code builds whatever
+    the target (its Mixtral heads are dense Llama layers). Returns ``(layer, config)``."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    text = model.config.get_text_config()
+    sizes = {k: getattr(text, k) for k in ("hidden_size", "vocab_size", "max_position_embeddings") + _LAYER_OVERRIDES
+             if getattr(text, k, None) is not None}  # fmt: skip
+    config = LlamaConfig(**{**sizes, **overrides, "num_hidden_layers": 1})
+    config._attn_implementation = text._attn_implementation
+    return _head_layer(LlamaDecoderLayer, config, model, owner), config
 
 
 def _is_norm(name: str, t: torch.Tensor) -> bool:
@@ -282,6 +323,14 @@ class Eagle(EagleBase):
     checkpoints) on ``cat[embed(token), feature]``, then one decoder layer of the target's own
     class without its input norm, then the target's LM head (no norm before it). The feature is
     the target's last hidden state after its final norm (tap ``"final"``).
+
+    The layer is built with the target's config, sized by the checkpoint's ``config.json``
+    where it says (``intermediate_size``, heads, ...), as layer 0 (its attention pattern:
+    layer 0's, e.g. Gemma2's sliding window). A checkpoint whose layer holds a dense MLP where
+    the target's layer has experts (SafeAILab builds a Llama layer for every target, Mixtral
+    included) runs as transformers' ``LlamaDecoderLayer`` sized like the target, full attention.
+    Whatever the layer, it runs with the target's rotary embedding, so targets without one are
+    refused, as are heads whose ``rope_theta`` differs from the target's.
 
     Args:
         path: a local directory holding ``config.json`` and safetensors weights (``fc.weight``,
@@ -368,7 +417,13 @@ class Eagle(EagleBase):
                 f"{owner} was trained with rope_theta {theta} but the target has {target_theta}; the head runs "
                 f"with the target's rotary embedding, so it must be the head trained for this target."
             )
-        layer, layer_config = _decoder_layer(model, self._layer_overrides(model), owner)
+        overrides = self._layer_overrides(model)
+        layer, layer_config = _decoder_layer(model, overrides, owner)
+        have = {k[len("layers.0.") :] for k in ckpt.tensors if k.startswith("layers.0.")}
+        if have != set(layer.state_dict()):  # SafeAILab's dense layer for an MoE target (Mixtral)?
+            dense, dense_config = _dense_llama_layer(model, overrides, owner)
+            if have == set(dense.state_dict()):
+                layer, layer_config = dense, dense_config
         expected = {"fc.weight": (hidden, 2 * hidden)}
         why = {"fc.weight": f"[hidden, 2 * hidden] for the target's hidden size {hidden}"}
         if self.has_bias:

@@ -21,12 +21,13 @@ from specfx.models.eagle import Eagle
 from specfx.models.heads import write_head
 from specfx.models.tiny import tiny_causal_lm
 from specfx.tree import TokenTree
-from tests.conftest import left_padded, prompt
+from tests.conftest import active_rounds, left_padded, prompt
 from tests.test_lossless import NEW, ROWS, _chisquare, _exact
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "mixtral")
 TREE = TokenTree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
-MODES = {"chain": dict(num_speculative_tokens=3), "tree": dict(tree=TREE)}
+DYNAMIC = TokenTree.eagle2(budget=8, depth=3, branching=3)
+MODES = {"chain": dict(num_speculative_tokens=3), "tree": dict(tree=TREE), "dynamic": dict(tree=DYNAMIC)}
 
 _targets = {}
 
@@ -71,19 +72,20 @@ class _Reference:
     pairs token j + 1 with the target's last hidden state (after the final norm) at j, at
     position j + 1; drafted entries read the head's own output at the previous position."""
 
-    def __init__(self, target, directory):
+    def __init__(self, target, directory, layer_class=None, layer_config=None):
         tensors = load_file(str(directory / "model.safetensors"))
         config = json.loads((directory / "config.json").read_text())
         h = target.config.hidden_size
         self.fc = nn.Linear(2 * h, h, bias=config["bias"])
         self.fc.load_state_dict({k[3:]: v for k, v in tensors.items() if k.startswith("fc.")})
-        self.layer = type(target.model.layers[0])(target.config, 0)
+        layer_config = layer_config or target.config
+        self.layer = (layer_class or type(target.model.layers[0]))(layer_config, 0)
         self.layer.input_layernorm = nn.Identity()
         self.layer.load_state_dict({k[9:]: v for k, v in tensors.items() if k.startswith("layers.0.")})
         self.layer.eval()
-        types = getattr(target.config, "layer_types", None)
-        sliding = types[0] == "sliding_attention" if types else getattr(target.config, "sliding_window", None) is not None
-        self.window = target.config.sliding_window if sliding else None
+        types = getattr(layer_config, "layer_types", None)
+        sliding = types[0] == "sliding_attention" if types else getattr(layer_config, "sliding_window", None) is not None
+        self.window = layer_config.sliding_window if sliding else None
         self.target = target
 
     @torch.no_grad()
@@ -131,6 +133,33 @@ class _Reference:
             state[n] = (tokens, feats, self.last_output(tokens, feats))
         return drafts
 
+    def dynamic(self, seq, spec):
+        """EAGLE-2's growth for one row: the root's top k are the depth-1 candidates; at each
+        depth the k best candidates by cumulative log-probability are expanded into their top
+        k; the budget best of all candidates are the nodes, in candidate order. Returns
+        (tokens, parents) with parents[0] = 0 for the root."""
+        tokens, feats = list(seq[1:]), self.features(seq[:-1])
+        root = (tokens, feats, self.last_output(tokens, feats))
+        k = spec.branching
+
+        def children(state, first_id, parent_id, score):
+            top = self.logits(state[2]).float().log_softmax(-1).topk(k)
+            return [(first_id + r, t, parent_id, score + s, state) for r, (s, t) in enumerate(zip(top.values, top.indices.tolist(), strict=True))]
+
+        cands = children(root, 1, 0, 0.0)  # (id, token, parent id, score, parent's state)
+        frontier = cands
+        for _ in range(1, spec.depth):
+            level = []
+            for cid, token, _, score, (ptokens, pfeats, pout) in frontier:
+                state = (ptokens + [token], torch.cat([pfeats, pout]))
+                state += (self.last_output(*state),)
+                level += children(state, len(cands) + len(level) + 1, cid, score)
+            cands += level
+            frontier = sorted(level, key=lambda c: -float(c[3]))[:k]
+        chosen = sorted(sorted(cands, key=lambda c: -float(c[3]))[: spec.budget], key=lambda c: c[0])
+        node = {c[0]: i + 1 for i, c in enumerate(chosen)}
+        return [c[1] for c in chosen], [0] + [node.get(c[2], 0) for c in chosen]
+
 
 class _Recording(Eagle):
     """Records, per round, the committed tokens, lengths and the proposals made."""
@@ -145,34 +174,62 @@ class _Recording(Eagle):
         self.rounds.append((ctx.lengths.clone(), ctx.tokens.clone(), proposals.clone()))
         return proposals
 
+    def propose_dynamic_tree(self, ctx):
+        proposals, parents = super().propose_dynamic_tree(ctx)
+        self.rounds.append((ctx.lengths.clone(), ctx.tokens.clone(), (proposals.clone(), parents.clone())))
+        return proposals, parents
 
-@pytest.mark.parametrize("mode", sorted(MODES))
-@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2"])
-def test_proposals_equal_a_plain_pytorch_reference(arch, mode, tmp_path_factory, one_thread):
-    """Small vocabulary: random drafts are accepted often enough that rounds commit several
-    tokens; a left-padded batch; mistral's and gemma2's layer 0 slides a window of 8."""
-    vocab, new = 8, 26
-    target, directory = target_and_head(arch, tmp_path_factory, vocab=vocab, eos_token_id=None)
+
+def _check_against_reference(target, directory, mode, reference):
+    """Generate with a recording head (greedy, left-padded batch of 2) and compare every
+    round's proposals of every active row with ``reference``."""
+    vocab, new = target.config.vocab_size, 26
     drafter = _Recording(directory)
     drafter.rounds = []
     spec = specfx.speculate(target, draft=drafter, compile=False, **MODES[mode])
     ids, mask = left_padded(6, (1, 3), seed=3, vocab=vocab)
     kw = dict(attention_mask=mask, max_new_tokens=new, pad_token_id=0)
     assert torch.equal(spec.generate(ids, **kw), target.generate(ids, **kw))
-    reference = _Reference(target, directory)
-    prompt_lengths = mask.sum(dim=1).tolist()
     checked = 0
-    for lengths, tokens, proposals in drafter.rounds:
-        for b in range(2):
-            pending = int(lengths[b])
-            if pending + 1 - prompt_lengths[b] >= new:
-                continue  # finished row, carried along
-            seq = tokens[b, : pending + 1].tolist()
+    for b, seq, proposals in active_rounds(drafter.rounds, mask.sum(dim=1).tolist(), new):
+        if mode == "dynamic":
+            assert (proposals[0][b].tolist(), proposals[1][b].tolist()) == reference.dynamic(seq, DYNAMIC)
+        else:
             expected = reference.chain(seq, 3) if mode == "chain" else reference.tree(seq, TREE)
             assert proposals[b].tolist() == expected
-            checked += 1
+        checked += 1
     assert checked >= 12
     assert spec.stats.accepted > 0  # some rounds committed more than one token
+    return drafter
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2"])
+def test_proposals_equal_a_plain_pytorch_reference(arch, mode, tmp_path_factory, one_thread):
+    """Small vocabulary: random drafts are accepted often enough that rounds commit several
+    tokens; a left-padded batch; mistral's and gemma2's layer 0 slides a window of 8."""
+    target, directory = target_and_head(arch, tmp_path_factory, vocab=8, eos_token_id=None)
+    _check_against_reference(target, directory, mode, _Reference(target, directory))
+
+
+def test_a_dense_head_on_a_moe_target_is_safeailabs_llama_layer(tmp_path, one_thread):
+    """SafeAILab's EAGLE code builds a dense Llama layer whatever the target, so its Mixtral
+    heads hold mlp.gate_proj/up_proj/down_proj, not experts: such a head runs as transformers'
+    LlamaDecoderLayer sized like the target (full attention), with the target's rotary."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    target = tiny_causal_lm("mixtral", vocab_size=8, eos_token_id=None)
+    dense = Eagle.random(tiny_causal_lm("llama", vocab_size=8), seed=3).state_dict()  # same sizes as tiny mixtral
+    write_head(tmp_path, {"hidden_size": 64, "vocab_size": 8, "num_hidden_layers": 1, "bias": True}, dense)
+    c = target.config
+    config = LlamaConfig(hidden_size=64, intermediate_size=c.intermediate_size, num_attention_heads=c.num_attention_heads,
+                         num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+                         vocab_size=8)  # fmt: skip
+    config._attn_implementation = "sdpa"
+    reference = _Reference(target, tmp_path, LlamaDecoderLayer, config)
+    drafter = _check_against_reference(target, tmp_path, "chain", reference)
+    assert type(drafter.layer) is LlamaDecoderLayer
 
 
 # ------------------------------------------------------------------ a head that agrees

@@ -24,7 +24,8 @@ from specfx.models.eagle3 import Eagle3, resolve_taps
 from specfx.models.tiny import tiny_causal_lm
 from specfx.tree import TokenTree
 from specfx.tree_round import draft_levels
-from tests.conftest import left_padded, prompt
+from tests.conftest import active_rounds, left_padded, prompt
+from tests.models.test_eagle import _Reference as _EagleReference
 from tests.test_lossless import (
     NEW,
     ROWS,
@@ -40,6 +41,8 @@ LAYERS = 4  # tiny targets: the three taps below are distinct layers
 TAPS = [1, 2, 3]  # inputs of decoder layers 1, 2, 3 (vLLM's convention)
 DRAFT_VOCAB = 100  # of the tiny targets' 128: a reduced draft vocabulary everywhere
 TREE = TokenTree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
+DYNAMIC = TokenTree.eagle2(budget=8, depth=3, branching=3)  # EAGLE-2: grown per row and round
+SHAPES = {"chain": dict(num_speculative_tokens=3), "tree": dict(tree=TREE), "dynamic": dict(tree=DYNAMIC)}
 
 _targets: dict = {}
 
@@ -81,10 +84,10 @@ def _assert_greedy_equal(target, spec, ids, mask=None, new=15):
 
 # ----------------------------------------------------------------------------- greedy
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_equals_generate_chain_and_tree(arch, head_dir, one_thread):
+def test_greedy_equals_generate_chain_and_trees(arch, head_dir, one_thread):
     target = _target(arch)
     path = head_dir(arch)
-    for shape in (dict(num_speculative_tokens=3), dict(tree=TREE)):
+    for shape in SHAPES.values():
         spec = specfx.speculate(target, draft=f"eagle3:{path}", compile=False, **shape)
         assert isinstance(spec.drafter, Eagle3) and spec.drafter.taps == ("layer:1", "layer:2", "layer:3")
         for length, new in [(1, 9), (12, 20)]:
@@ -153,68 +156,42 @@ def _read(path):
     return json.loads((path / "config.json").read_text()), load_file(path / "model.safetensors")
 
 
-class _Reference:
-    """The head's drafts after a committed sequence, recomputed from scratch: the target's
-    hidden states over the committed prefix (HF's own forward), fc over the tapped layers,
-    then the midlayer over all entries with a causal mask, one entry per draft step."""
+class _Reference(_EagleReference):
+    """The EAGLE reference's drafting (chain, static tree, EAGLE-2 growth: entry j pairs token
+    j + 1 with the feature at j; drafted entries read the head's own output) with EAGLE-3's
+    head: the target's hidden states over the committed prefix (HF's own forward), fc over the
+    tapped layers, the midlayer over all entries with a causal mask, the LM head over the draft
+    vocabulary mapped onto the target's (-inf elsewhere)."""
 
     def __init__(self, target, path):
         self.target, (self.cfg, self.w) = target, _read(path)
         self.table = target.get_input_embeddings().weight  # raw lookup: no model-specific scaling
 
-    def committed(self, seq: list[int]):
-        """Entries 1..L for committed tokens ``seq`` (the last one pending at L): tokens, features."""
-        ids = torch.tensor([seq])
-        with torch.no_grad():
-            hs = self.target(ids[:, :-1], output_hidden_states=True).hidden_states
-        taps = torch.cat([hs[k] for k in self.cfg["eagle_aux_hidden_state_layer_ids"]], -1)
-        return list(seq[1:]), taps @ self.w["fc.weight"].T  # [1, L, H]: entry t reads position t - 1
+    @torch.no_grad()
+    def features(self, seq):
+        hs = self.target(torch.tensor([seq]), output_hidden_states=True).hidden_states
+        return torch.cat([hs[k][0] for k in self.cfg["eagle_aux_hidden_state_layer_ids"]], -1) @ self.w["fc.weight"].T
 
-    def last_output(self, tokens: list[int], feats):
+    @torch.no_grad()
+    def last_output(self, tokens, feats):
         n = len(tokens)
         pos = torch.arange(1, n + 1).unsqueeze(0)
         causal = torch.ones(n, n, dtype=torch.bool).tril().unsqueeze(0)
         emb = F.embedding(torch.tensor([tokens]), self.table)
-        with torch.no_grad():
-            return _ref_layer(self.cfg, self.w, emb, feats, pos, causal)[:, -1:]  # [1, 1, H]
+        return _ref_layer(self.cfg, self.w, emb, feats[None], pos, causal)[0, -1:]  # [1, H], before the norm
 
-    def target_ids(self, draft_ids):
-        return draft_ids + self.w["d2t"][draft_ids]
-
-    def chain(self, seq, k):
-        tokens, feats = self.committed(seq)
-        drafts = []
-        for _ in range(k):
-            out = self.last_output(tokens, feats)
-            token = int(self.target_ids(_ref_draft_logits(self.cfg, self.w, out).argmax(-1)))
-            drafts.append(token)
-            tokens, feats = tokens + [token], torch.cat([feats, out], 1)  # the output before norm is fed back
-        return drafts
-
-    def tree(self, seq, tree: TokenTree):
-        """Node tokens: the children of a node are its top-ranked draft tokens, a node's entry
-        reads its parent's output."""
-        tokens, feats = self.committed(seq)
-        parents, ranks = tree.parents, tree.ranks
-        paths = {0: (tokens, feats)}  # node -> the entries up to and including its own
-        outs = {}  # node -> its entry's output
-        nodes = [0] * (tree.size + 1)
-        for n in range(tree.size + 1):
-            if n > 0:
-                tok, fe = paths[parents[n]]
-                paths[n] = (tok + [nodes[n]], torch.cat([fe, outs[parents[n]]], 1))
-            if tree.has_children(n):
-                outs[n] = self.last_output(*paths[n])
-                top = _ref_draft_logits(self.cfg, self.w, outs[n])[0, 0].topk(max(ranks) + 1).indices
-                for m in range(1, tree.size + 1):
-                    if parents[m] == n:
-                        nodes[m] = int(self.target_ids(top[ranks[m - 1]]))
-        return nodes[1:]
+    @torch.no_grad()
+    def logits(self, out):
+        draft = _ref_draft_logits(self.cfg, self.w, out)[0]  # [V_draft]
+        full = torch.full((self.cfg["vocab_size"],), float("-inf"))
+        full[torch.arange(len(draft)) + self.w["d2t"]] = draft
+        return full
 
 
 def _recorded(drafter):
-    """``drafter`` with its propose/propose_tree wrapped (on the instance) to record, per
-    round, the pending positions, the committed tokens and the proposals; returns the list."""
+    """``drafter`` with its propose methods wrapped (on the instance) to record, per round, the
+    pending positions, the committed tokens and the proposals (for a dynamic tree: the node
+    tokens and parents); returns the list."""
     rounds = []
 
     def wrap(method):
@@ -227,11 +204,19 @@ def _recorded(drafter):
         return recording
 
     drafter.propose, drafter.propose_tree = wrap(drafter.propose), wrap(drafter.propose_tree)
+    dynamic = drafter.propose_dynamic_tree
+
+    def recording_dynamic(ctx):
+        tokens, parents = dynamic(ctx)
+        rounds.append((ctx.lengths.clone(), ctx.tokens.clone(), (tokens.clone(), parents.clone())))
+        return tokens, parents
+
+    drafter.propose_dynamic_tree = recording_dynamic
     return rounds
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])  # gemma2 scales its own embeddings; the head does not
-@pytest.mark.parametrize("shape", ["chain", "tree"])
+@pytest.mark.parametrize("shape", ["chain", "tree", "dynamic"])
 def test_proposals_equal_an_independent_reference_forward(arch, shape, head_dir, one_thread):
     _assert_proposals_equal_reference(_target(arch), head_dir(arch), shape)
 
@@ -244,23 +229,18 @@ def test_vllm_norm_before_residual_variant_equals_the_reference(head_dir, tmp_pa
 def _assert_proposals_equal_reference(target, path, shape):
     drafter = Eagle3(path)
     rounds = _recorded(drafter)
-    kw = dict(num_speculative_tokens=3) if shape == "chain" else dict(tree=TREE)
-    spec = specfx.speculate(target, draft=drafter, compile=False, **kw)
+    spec = specfx.speculate(target, draft=drafter, compile=False, **SHAPES[shape])
     ids, mask = left_padded(6, (0, 3), seed=5)
     new = 12
     _assert_greedy_equal(target, spec, ids, mask, new=new)
     reference = _Reference(target, path)
-    prompt_lengths = mask.sum(dim=1).tolist()
     checked = 0
-    for lengths, tokens, proposals in rounds:
-        for b in range(ids.shape[0]):
-            pending = int(lengths[b])
-            if pending + 1 - prompt_lengths[b] >= new:
-                continue  # a finished row, carried along
-            seq = tokens[b, : pending + 1].tolist()
-            expected = reference.chain(seq, 3) if shape == "chain" else reference.tree(seq, TREE)
-            assert proposals[b].tolist() == expected
-            checked += 1
+    for b, seq, proposals in active_rounds(rounds, mask.sum(dim=1).tolist(), new):
+        if shape == "dynamic":
+            assert (proposals[0][b].tolist(), proposals[1][b].tolist()) == reference.dynamic(seq, DYNAMIC)
+        else:
+            assert proposals[b].tolist() == (reference.chain(seq, 3) if shape == "chain" else reference.tree(seq, TREE))
+        checked += 1
     assert checked >= 10
 
 
@@ -317,7 +297,7 @@ def test_a_trained_head_is_accepted_at_depth_two(tmp_path, one_thread):
     Eagle3.random(target, layer_ids=TAPS, seed=2).save(tmp_path)
     prompts = prompt(6, batch=6, seed=11)
     assert _train(target, tmp_path, prompts, new=26) < 0.1
-    for shape in (dict(num_speculative_tokens=3), dict(tree=TREE)):
+    for shape in SHAPES.values():
         spec = specfx.speculate(target, draft=f"eagle3:{tmp_path}", compile=False, **shape)
         _assert_greedy_equal(target, spec, prompts, new=26)
         assert spec.stats.per_position[1] > 0.5 * spec.stats.per_position[0] > 0, spec.stats
@@ -329,8 +309,7 @@ def test_a_trained_head_is_accepted_at_depth_two(tmp_path, one_thread):
 @pytest.mark.parametrize("shape", ["chain", "tree"])
 def test_compiled_round_is_one_graph_and_stays_warm(shape, head_dir, one_thread):
     target = _target("llama")
-    kw = dict(num_speculative_tokens=3) if shape == "chain" else dict(tree=TREE)
-    spec = specfx.speculate(target, draft=f"eagle3:{head_dir('llama')}", compile=True, **kw)
+    spec = specfx.speculate(target, draft=f"eagle3:{head_dir('llama')}", compile=True, **SHAPES[shape])
     ids, mask = left_padded(10, (0, 3), seed=7)
     _assert_greedy_equal(target, spec, ids, mask, new=16)
     assert [e.key[0] for e in spec.compile_events] == ["round"]
@@ -376,10 +355,11 @@ def test_sampling_matches_exact_distribution(draft_vocab, k, tmp_path, one_threa
     assert set(drafted.tolist()) <= set(in_vocab.tolist()) and len(drafted) > 1
 
 
-def test_tree_sampling_with_a_reduced_draft_vocabulary_matches_exact_distribution(tmp_path, one_thread):
+@pytest.mark.parametrize("tree", [TREE, TokenTree.eagle2(budget=6, depth=3, branching=2)], ids=["static", "dynamic"])
+def test_tree_sampling_with_a_reduced_draft_vocabulary_matches_exact_distribution(tree, tmp_path, one_thread):
     """Children are the head's top-ranked tokens over its 4-id draft vocabulary of the target's 6."""
     target, probs = _sampling_target(4, tmp_path)
-    samples, stats = _tree_samples(target, Eagle3(tmp_path), TREE)
+    samples, stats = _tree_samples(target, Eagle3(tmp_path), tree)
     _assert_both_paths_at_several_depths(stats)
     assert _chisquare(samples, probs) > 1e-3
 

@@ -47,6 +47,10 @@ class Drafter:
     # The target hidden states the drafter reads (see specfx.taps): () for none; else the round
     # asks the target's forward for these taps and calls observe() with them, in this order.
     taps: tuple[str, ...] = ()
+    # The most tokens past the pending one the drafter can propose along one path (Medusa: one
+    # per head), or None for no limit: speculate() refuses a K ("auto"'s included) or a tree
+    # depth beyond it.
+    max_depth: int | None = None
 
     def bind(self, target: ModelRunner) -> None:
         """Check compatibility with the target at ``speculate()`` time."""

@@ -92,6 +92,8 @@ class Medusa(Drafter):
 
     # ----------------------------------------------------------------- building one
     def _set(self, weight: torch.Tensor, bias: torch.Tensor | None, lm_head: torch.Tensor) -> None:
+        if weight.dim() != 4:
+            raise ValueError(f"Medusa heads: blocks must be [heads, layers, H, H], got {list(weight.shape)}.")
         n, m, h, h_in = weight.shape
         if h != h_in or lm_head.dim() != 3 or lm_head.shape[2] != h or lm_head.shape[0] not in (1, n):
             raise ValueError(
@@ -244,15 +246,20 @@ class Medusa(Drafter):
                 f"Medusa heads predict over a vocabulary of {self.vocab_size} tokens, but the target's LM "
                 f"head has {target.vocab_size} rows: these heads were trained for another model."
             )
-        # the heads' own tensors follow the target; the target itself is never touched
-        device, dtype = target.device, target.dtype
+        self.target = target
+        self._follow_target()
+
+    def _follow_target(self) -> None:
+        """Cast and move the heads' own tensors to the target's dtype and device (no copy when
+        they already match); the target itself is never touched."""
+        device, dtype = self.target.device, self.target.dtype
         self.weight = self.weight.detach().to(device, dtype)
         self.bias = self.bias.detach().to(device, dtype) if self.bias is not None else None
         self.lm_head = self.lm_head.detach().to(device, dtype)
-        self.target = target
 
     def allocate(self, batch_size: int, capacity: int) -> None:
         target = self.target
+        self._follow_target()  # the generator reallocates after model.to(dtype or device)
         # [B, H]: the target's final hidden state at each row's pending position - 1
         self.stash = torch.zeros((batch_size, self.hidden_size), dtype=target.dtype, device=target.device)
         mark_static(self.stash)  # written in place every round

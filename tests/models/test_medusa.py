@@ -389,6 +389,15 @@ def test_from_target_shares_the_lm_head_and_binds_to_its_dtype(one_thread):
     fp32 = Medusa.random(64, 128, seed=0)
     specfx.speculate(target, draft=fp32, num_speculative_tokens=2, compile=False)
     assert fp32.weight.dtype == fp32.lm_head.dtype == torch.bfloat16
+    # the generator reallocates after the user casts the model; the heads follow it
+    other = tiny_causal_lm("llama", seed=1)
+    heads = Medusa.random(64, 128, seed=0)
+    spec = specfx.speculate(other, draft=heads, num_speculative_tokens=2, compile=False)
+    spec.generate(prompt(8, seed=1), max_new_tokens=4, **NO_EOS)
+    assert heads.weight.dtype == torch.float32
+    other.to(torch.bfloat16)
+    spec.generate(prompt(8, seed=1), max_new_tokens=4, **NO_EOS)
+    assert heads.weight.dtype == heads.bias.dtype == heads.stash.dtype == torch.bfloat16
 
 
 # --------------------------------------------------------------------------- bad input

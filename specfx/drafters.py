@@ -37,7 +37,7 @@ __all__ = [
 VERIFY_COST = 0.05
 
 # The drafters that branch (speculate(tree=...)), named by the refusals of those that do not.
-TREE_DRAFTERS = "a draft model, prompt lookup or early exit (draft='early_exit:N')"
+TREE_DRAFTERS = "a draft model, prompt lookup, early exit (draft='early_exit:N'), Medusa or EAGLE heads"
 
 
 class Drafter:

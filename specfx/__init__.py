@@ -2,7 +2,8 @@
 
 Top-level API: :func:`speculate`, :class:`SpeculativeGenerator`, :class:`SpecConfig`,
 :class:`SpecStats`, :class:`TokenTree`, :class:`PromptLookup`, :class:`EarlyExit`,
-:class:`MTP`. Building blocks: :mod:`specfx.passes` (FX passes and the ``specfx``
+:class:`MTP`, and heads that read the target's hidden states: :class:`Medusa`, :class:`Eagle`
+(EAGLE-1/2), :class:`Eagle3`. Building blocks: :mod:`specfx.passes` (FX passes and the ``specfx``
 torch.compile backend), :mod:`specfx.drafters`, :mod:`specfx.sampling`.
 """
 
@@ -10,6 +11,8 @@ from .config import MAX_SPECULATIVE_TOKENS, SpecConfig
 from .drafters import Drafter, DraftModel
 from .early_exit import EarlyExit
 from .generator import SpeculativeGenerator, speculate
+from .models.eagle import Eagle
+from .models.medusa import Medusa
 from .mtp import MTP
 from .prompt_lookup import PromptLookup
 from .stats import SpecStats
@@ -27,6 +30,8 @@ __all__ = [
     "PromptLookup",
     "EarlyExit",
     "MTP",
+    "Medusa",
+    "Eagle",
     "MAX_SPECULATIVE_TOKENS",
     "MAX_TREE_NODES",
     # building blocks

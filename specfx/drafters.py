@@ -37,7 +37,7 @@ __all__ = [
 VERIFY_COST = 0.05
 
 # The drafters that branch (speculate(tree=...)), named by the refusals of those that do not.
-TREE_DRAFTERS = "a draft model, prompt lookup or early exit (draft='early_exit:N')"
+TREE_DRAFTERS = "a draft model, prompt lookup, early exit (draft='early_exit:N'), Medusa or EAGLE heads"
 
 
 class Drafter:
@@ -47,6 +47,10 @@ class Drafter:
     # The target hidden states the drafter reads (see specfx.taps): () for none; else the round
     # asks the target's forward for these taps and calls observe() with them, in this order.
     taps: tuple[str, ...] = ()
+    # The most tokens past the pending one the drafter can propose along one path (Medusa: one
+    # per head), or None for no limit: speculate() refuses a K ("auto"'s included) or a tree
+    # depth beyond it.
+    max_depth: int | None = None
 
     def bind(self, target: ModelRunner) -> None:
         """Check compatibility with the target at ``speculate()`` time."""
@@ -281,7 +285,8 @@ def _named(draft: str) -> Drafter:
                 f"draft={draft!r} looks like a path or a Hugging Face hub id, but draft= takes a model "
                 f"object, not where to load one from: load the draft model first, e.g. "
                 f"draft=AutoModelForCausalLM.from_pretrained({draft!r}) (a smaller causal LM sharing the "
-                f"target's vocabulary). Named drafters: {known}."
+                f"target's vocabulary). A Medusa or EAGLE head directory is named with its kind: "
+                f"draft='medusa:{draft}', 'eagle:{draft}' or 'eagle3:{draft}'. Named drafters: {known}."
             )
         raise ValueError(
             f"unknown drafter {draft!r}. Named drafters: {known} (an argument follows a colon, "

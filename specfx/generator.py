@@ -118,6 +118,7 @@ class SpeculativeGenerator:
                 f"speculate(tree={self.tree!r}): branching={self.tree.branching} exceeds the target's vocabulary "
                 f"of {self.target_runner.vocab_size} tokens; lower branching."
             )
+        self._check_depth(config)
         self.drafter.prepare_tree(self.tree)
         self.auto_k = None  # AutoK for num_speculative_tokens="auto"; .history lists the Ks used
         if config.num_speculative_tokens == AUTO:
@@ -140,6 +141,27 @@ class SpeculativeGenerator:
         self._lock = threading.RLock()
         self.stats = SpecStats()
         self.cumulative_stats = SpecStats()
+
+    def _check_depth(self, config: SpecConfig) -> None:
+        """Refuse rounds deeper than the drafter can draft (``Drafter.max_depth``)."""
+        limit = self.drafter.max_depth
+        if limit is None:
+            return
+        if self.tree is not None:
+            if self.tree.depth > limit:
+                raise ValueError(
+                    f"speculate(tree=...): the tree is {self.tree.depth} deep, but the {self.drafter.name} "
+                    f"drafter proposes at most {limit} tokens along a path; use a tree of depth <= {limit}."
+                )
+            return
+        if max(config.k_values) > limit:
+            auto = config.num_speculative_tokens == AUTO
+            asked = f"auto_k_values={config.auto_k_values}" if auto else f"num_speculative_tokens={config.num_speculative_tokens}"
+            raise ValueError(
+                f"speculate(): {asked} asks for up to {max(config.k_values)} proposals per round, but the "
+                f"{self.drafter.name} drafter proposes at most {limit}; pass "
+                f"{'auto_k_values= with values' if auto else 'num_speculative_tokens='} <= {limit}."
+            )
 
     # ----------------------------------------------------------------- the wrapped model
     @property

@@ -504,18 +504,13 @@ class Eagle3(EagleBase):
                 f"{owner} has hidden size {head.hidden_size} but the target's embedding has {table.shape[1]} columns; "
                 f"such a head must bring its own embed_tokens.weight, and this checkpoint has none."
             )
-        device, dtype = target.device, target.dtype
-        for module in (head.fc, head.midlayer, head.norm, head.lm_head):
-            module.to(device=device, dtype=dtype)
-        head.rotary_emb.to(device=device)  # inv_freq stays float32
-        head.d2t, head.t2d = head.d2t.to(device), head.t2d.to(device)
         if own is not None:
-            head.use_own_embedding(own.to(device=device, dtype=dtype))
+            head.use_own_embedding(own)
         else:
             head.embed_tokens = None
         self.own_embedding = None  # now the head's, or dropped for the target's
-        self.embed_weight = head.embed_tokens.weight if head.embed_tokens is not None else table
-        vocab, vd = target.vocab_size, head.draft_vocab_size
+        self._follow_target()
+        device, vocab, vd = target.device, target.vocab_size, head.draft_vocab_size
         targets = head.target_ids()
         if vd == vocab and torch.equal(targets, torch.arange(vocab, device=device)):
             self.vocab_index = None  # the draft vocabulary is the target's
@@ -524,6 +519,24 @@ class Eagle3(EagleBase):
             index[targets] = torch.arange(vd, device=device)
             self.vocab_index = index
         self.state_size = head.hidden_size
+
+    def _follow_target(self) -> None:
+        """The head's own parameters on the target's device and in its dtype (the rotary
+        frequencies stay float32); the embedding table is the target's, or the head's own."""
+        head, device, dtype = self.head, self.target.device, self.target.dtype
+        for module in (head.fc, head.midlayer, head.norm, head.lm_head, head.embed_tokens):
+            if module is not None:
+                module.to(device=device, dtype=dtype)
+        head.rotary_emb.to(device=device)
+        head.d2t, head.t2d = head.d2t.to(device), head.t2d.to(device)
+        if self.vocab_index is not None:
+            self.vocab_index = self.vocab_index.to(device)
+        own = head.embed_tokens
+        self.embed_weight = own.weight if own is not None else self.target.model.get_input_embeddings().weight
+
+    def _allocate_kv(self, batch_size: int, capacity: int) -> None:
+        self._follow_target()  # the generator reallocates after model.to(dtype or device)
+        super()._allocate_kv(batch_size, capacity)
 
     def _num_parameters(self) -> int:
         return sum(

@@ -557,3 +557,15 @@ def test_bad_paths_are_clear_errors(head_dir, tmp_path):
     save_file(_read(head_dir("llama"))[1], bare / "model.safetensors")
     with pytest.raises(ValueError, match=r"has no config.json"):
         Eagle3(bare)
+
+
+def test_the_head_follows_a_target_cast_after_speculate(head_dir, one_thread):
+    """The generator reallocates after model.to(dtype); the head's own parameters follow."""
+    target = tiny_causal_lm("llama", num_layers=LAYERS)
+    spec = specfx.speculate(target, draft=Eagle3(head_dir("llama")), num_speculative_tokens=3, compile=False)
+    ids = prompt(8, seed=2)
+    _assert_greedy_equal(target, spec, ids)
+    target.to(torch.float64)
+    _assert_greedy_equal(target, spec, ids)
+    assert {p.dtype for p in spec.drafter.head.parameters()} == {torch.float64}
+    assert spec.drafter.embed_weight.dtype == torch.float64

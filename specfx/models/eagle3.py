@@ -31,10 +31,17 @@ Which target layers (the taps). Three conventions are in use:
   L - 4]`` is the same three states as the others' defaults);
 * absent both: the inputs of layers ``2, L // 2, L - 3`` (SafeAILab's and vLLM's default).
 
-specfx reads the top-level key first, then the nested one (adding 1), then the default; it
-refuses ids that are out of range, repeated or not ascending (the concatenation order would
-be ambiguous). :meth:`Eagle3.save` writes the top-level key, in vLLM's convention; a nested
-key read from a checkpoint is kept as it was.
+specfx reads the top-level key first, then the nested one (adding 1, as SpecForge, which
+writes that key, means it; SGLang's loader has also guessed the convention from the first id),
+then the default; it refuses ids that are out of range, repeated or not ascending (the
+concatenation order would be ambiguous). :meth:`Eagle3.save` writes the top-level key, in
+vLLM's convention; a nested key read from a checkpoint is kept as it was.
+
+The head's layer is Llama-style whatever the target (Gemma, Mixtral, ...), sized by its own
+config.json, as every trainer builds it. Supported variant: vLLM's ``norm_before_residual``
+(the residual stream starts at ``hidden_norm(f)``). Refused with a clear error: more than one
+layer, SpecForge's ``fc_norm`` and ``norm_output=false``, ``norm_before_fc``, rotary scaling
+that changes with the sequence length (dynamic, longrope).
 
 Tensors (safetensors; ``layers.0.`` is accepted for ``midlayer.``)::
 

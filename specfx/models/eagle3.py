@@ -424,7 +424,8 @@ class Eagle3(EagleBase):
         ids = list(layer_ids) if layer_ids is not None else [2, layers // 2, layers - 3]
         config = {
             "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
-            "hidden_size": tc.hidden_size, "intermediate_size": tc.intermediate_size,
+            "hidden_size": tc.hidden_size,
+            "intermediate_size": getattr(tc, "intermediate_size", None) or getattr(tc, "n_inner", None) or 4 * tc.hidden_size,
             "num_attention_heads": tc.num_attention_heads,
             "num_key_value_heads": getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads,
             "head_dim": getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,

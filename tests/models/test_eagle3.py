@@ -36,7 +36,8 @@ from tests.test_lossless import (
     _tree_samples,
 )
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "mixtral")
+# gpt2 has learned positions: the head's rotary is its own, so the target needs none
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "mixtral", "gpt2")
 LAYERS = 4  # tiny targets: the three taps below are distinct layers
 TAPS = [1, 2, 3]  # inputs of decoder layers 1, 2, 3 (vLLM's convention)
 DRAFT_VOCAB = 100  # of the tiny targets' 128: a reduced draft vocabulary everywhere

@@ -12,6 +12,7 @@ from .drafters import Drafter, DraftModel
 from .early_exit import EarlyExit
 from .generator import SpeculativeGenerator, speculate
 from .models.eagle import Eagle
+from .models.eagle3 import Eagle3
 from .models.medusa import Medusa
 from .mtp import MTP
 from .prompt_lookup import PromptLookup
@@ -32,6 +33,7 @@ __all__ = [
     "MTP",
     "Medusa",
     "Eagle",
+    "Eagle3",
     "MAX_SPECULATIVE_TOKENS",
     "MAX_TREE_NODES",
     # building blocks

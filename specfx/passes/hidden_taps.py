@@ -47,7 +47,7 @@ import operator
 import torch
 from torch import fx
 
-from .early_exit import layer_of, normalize_module_path
+from .early_exit import layer_map, normalize_module_path
 from .meta import META_KEYS
 
 __all__ = ["HiddenTapsError", "check_tap_names", "hidden_taps", "tap_names"]
@@ -146,17 +146,7 @@ def hidden_taps(gm: fx.GraphModule, *, layer_names: list[str], taps) -> int:
     taps = check_tap_names(taps, num_layers)
     graph = gm.graph
     nodes = list(graph.nodes)
-    layer = {n: layer_of(n, layer_names) for n in nodes}
-    by_layer: dict[int, list[fx.Node]] = {}
-    for n, i in layer.items():
-        if i is not None:
-            by_layer.setdefault(i, []).append(n)
-    missing = [i for i in range(num_layers) if i not in by_layer]
-    if missing:
-        raise HiddenTapsError(
-            f"no graph node was traced inside decoder layer(s) {missing} ({layer_names[missing[0]]}); "
-            f"the capture does not show the layer structure the hidden taps need"
-        )
+    layer, by_layer = layer_map(nodes, layer_names, HiddenTapsError("the hidden taps need"))
     output = graph.output_node()
     outs = output.args[0]
     logits = outs[0] if isinstance(outs, (tuple, list)) else outs

@@ -178,6 +178,46 @@ def test_ambiguous_boundary_is_a_clear_error():
     assert hidden_taps(gm, layer_names=names, taps=("last", "final")) == 2  # one value leaves the last layer
 
 
+class _InPlace(nn.Module):
+    """A toy LM whose second layer scales its input in place (``h.mul_(2)``)."""
+
+    class Layer(nn.Module):
+        def __init__(self, in_place: bool):
+            super().__init__()
+            self.in_place = in_place
+
+        def forward(self, h):
+            return (h.mul_(2) if self.in_place else h * 3) + 1
+
+    class Decoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([_InPlace.Layer(False), _InPlace.Layer(True)])
+
+        def forward(self, x):
+            h = x + 0
+            for layer in self.layers:
+                h = layer(h)
+            return h
+
+    def __init__(self):
+        super().__init__()
+        self.model = _InPlace.Decoder()
+
+    def forward(self, x):
+        return self.model(x) * 2
+
+
+def test_a_tap_mutated_in_place_later_is_the_value_it_had():
+    x = torch.arange(12.0).view(1, 3, 4)
+    gm = _dynamo_graph(_InPlace(), x)
+    assert hidden_taps(gm, layer_names=["model.layers.0", "model.layers.1"], taps=("layer:0", "layer:1")) == 2
+    logits, entering0, entering1 = gm(x.clone())
+    torch.testing.assert_close(entering0, x)
+    torch.testing.assert_close(entering1, x * 3 + 1)  # before layer 1 doubled it in place
+    torch.testing.assert_close(logits, ((x * 3 + 1) * 2 + 1) * 2)
+
+
 def test_pass_errors_name_the_pass_in_the_runner(monkeypatch, one_thread):
     """A model whose graph the pass cannot read fails at capture, naming the pass."""
     runner = _runner()

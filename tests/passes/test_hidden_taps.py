@@ -18,6 +18,7 @@ from specfx.models.architectures import ARCHITECTURES
 from specfx.models.tiny import tiny_causal_lm
 from specfx.passes import HiddenTapsError, PassError, hidden_taps
 from specfx.passes.early_exit import layer_of
+from specfx.prompt_lookup import PromptLookup
 from specfx.runner import ModelRunner
 from tests.conftest import ARCHS, left_padded, prompt
 
@@ -282,4 +283,42 @@ def test_compiled_mtp_round_does_not_recompile_for_another_prompt_length(one_thr
     with torch._dynamo.config.patch(error_on_recompile=True):
         assert torch.equal(spec.generate(ids, max_new_tokens=10), target.generate(ids, max_new_tokens=10))
     assert len(spec.target_runner._tap_graphs) == captured + 1  # the new bucket's prefill
+    assert len(spec.compile_events) == 1
+
+
+class _TappingLookup(PromptLookup):
+    """Prompt lookup that also reads two hidden states, as tree heads (EAGLE) will: observe()
+    keeps the pending token's "final" features in a static buffer."""
+
+    taps = ("layer:1", "final")
+
+    def allocate(self, batch_size, capacity):
+        super().allocate(batch_size, capacity)
+        self.seen = torch.zeros((batch_size, 1, 64))
+
+    def observe(self, ctx, features, positions, slots):
+        self.seen.copy_(features[1][:, :1])
+
+
+@pytest.mark.compiled
+def test_compiled_tree_round_with_taps_is_one_graph_and_stays_warm(one_thread):
+    """The tree verification's tapped capture is prepared before the round compiles (the tree
+    key), the round is one graph, and a second call recompiles nothing."""
+    from specfx.tree import TokenTree
+
+    target = tiny_causal_lm("llama", num_layers=3, seed=5)
+    drafter = _TappingLookup()
+    tree = TokenTree([(0,), (1,), (0, 0)])
+    spec = specfx.speculate(target, draft=drafter, tree=tree, backend="specfx_eager")
+    ids, mask = left_padded(10, (0, 3), seed=7)
+    kw = dict(attention_mask=mask, max_new_tokens=12, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(spec.generate(ids, **kw), target.generate(ids, **kw))
+    assert [e.key[0] for e in spec.compile_events] == ["round"]
+    trees = [k[3] for k in spec.target_runner._tap_graphs if k[3] is not None]
+    assert trees == [(1, tree.size, tuple(range(tree.size + 1)))]
+    assert drafter.seen.abs().sum() > 0  # observe() ran with the features
+    ids, mask = left_padded(7, (2, 0), seed=8)
+    kw["attention_mask"] = mask
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert torch.equal(spec.generate(ids, **kw), target.generate(ids, **kw))
     assert len(spec.compile_events) == 1

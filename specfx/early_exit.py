@@ -36,10 +36,10 @@ which is the draft's for layers < N: the drafter has nothing to move itself.
 from __future__ import annotations
 
 import torch
-from torch import fx, nn
+from torch import fx
 
+from .capture import CapturedForward, CaptureError, capture_forward, decoder_layer_names
 from .drafters import VERIFY_COST, Drafter, draft_chain
-from .graph_utils import fresh_code
 from .masks import TreeView
 from .passes.early_exit import EarlyExitError, early_exit
 from .runner import ModelRunner
@@ -49,93 +49,22 @@ from .tree_round import draft_levels, draft_tree, level_inputs, tree_view
 __all__ = ["EarlyExit", "ExitGraph", "capture_early_exit", "decoder_layer_names"]
 
 
-def decoder_layer_names(model: nn.Module) -> list[str]:
-    """Qualified names of ``model``'s decoder layers, in order (``model.layers.0``, ... or
-    ``transformer.h.0``, ...): the children of the ``ModuleList`` holding
-    ``config.num_hidden_layers`` blocks of one class."""
-    n = model.config.get_text_config().num_hidden_layers
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) == n and n > 0:
-            if len({type(m) for m in module}) == 1:
-                return [f"{name}.{i}" for i in range(n)]
-    raise ValueError(
-        f"{type(model).__name__}: no ModuleList of config.num_hidden_layers = {n} decoder layers of "
-        f"one class was found, so the layer boundary for an early exit is unknown."
-    )
-
-
-class ExitGraph:
+class ExitGraph(CapturedForward):
     """The cut graph and what its inputs are bound to: calling it with ``ids``, ``positions``
     and ``slots`` (``[B, T]``) runs layers 0..N-1, the final norm and the LM head, writes KV of
     layers 0..N-1 into the target's cache at ``slots``, and returns logits ``[B, T, V]``."""
 
-    def __init__(
-        self, gm: fx.GraphModule, inputs: list, removed: int, runner: ModelRunner, queries: tuple[int, ...] | None = None
-    ):
-        self.gm = gm
-        # per placeholder: a call input by name ("ids", "positions", "slots"; with a tree also
-        # "lengths", "depth", "ancestors") | ("kv", layer, "keys" | "values") or ("cache", None,
-        # attribute): a tensor of the runner's *current* cache | a bound target tensor (a parameter)
-        self.inputs = inputs
-        self.removed = removed  # nodes the cut removed
-        self.runner = runner
-        self.queries = queries  # the token-tree nodes it runs on (None: a plain causal forward)
-
-    def _resolve(self, x, given: dict):
-        if isinstance(x, str):
-            return given[x]
-        if isinstance(x, tuple):  # cache tensors are looked up at call time: the graph survives reallocation
-            kind, layer, name = x
-            cache = self.runner.cache
-            return getattr(cache.layers[layer] if kind == "kv" else cache, name)
-        return x
+    what = "early-exit graph"
 
     @property
-    def bound(self) -> list[torch.Tensor]:
-        return [self._resolve(x, {}) for x in self.inputs if not isinstance(x, str)]
+    def removed(self) -> int:
+        """Nodes the cut removed."""
+        return self.sites
 
     def __call__(
         self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tree: TreeView | None = None
     ) -> torch.Tensor:
-        """Run the cut graph; ``tree`` is required, with the captured ``queries``, exactly when
-        the graph was captured for token-tree nodes (its tensors are inputs, its queries a
-        constant of the graph)."""
-        if (tree.queries if tree is not None else None) != self.queries:
-            raise ValueError(
-                f"this early-exit graph was captured for "
-                f"{'token-tree nodes ' + str(self.queries) if self.queries else 'a causal forward (no tree)'}, "
-                f"but was called with {'tree queries ' + str(tree.queries) if tree else 'no tree'}; "
-                f"capture one for those nodes (capture_early_exit(..., tree=..., queries=...))."
-            )
-        given = {"ids": ids, "positions": positions, "slots": slots}
-        if tree is not None:
-            given.update(lengths=tree.lengths, depth=tree.depth, ancestors=tree.ancestors)
-        out = self.gm(*[self._resolve(x, given) for x in self.inputs])
-        return out[0] if isinstance(out, (tuple, list)) else out
-
-
-class _Recorder:
-    """The capturing backend: records the ``GraphModule`` Dynamo hands it and its example inputs.
-
-    One instance serves every capture, and it lets go of what it recorded right after: Dynamo
-    keeps each backend it was given in a process-wide table (``eval_frame.cached_backends``)
-    until a process-wide reset, so a backend holding the capture (a closure over a list, say)
-    would keep every captured graph and the KV buffers it was traced against alive, a few MB
-    per reallocation."""
-
-    def __init__(self):
-        self.captured: list = []
-
-    def __call__(self, gm: fx.GraphModule, example_inputs):
-        self.captured.append((gm, list(example_inputs)))
-        return gm.forward
-
-    def take(self) -> list:
-        captured, self.captured = self.captured, []
-        return captured
-
-
-_RECORDER = _Recorder()
+        return super().__call__(ids, positions, slots, tree)[0]
 
 
 def capture_early_exit(
@@ -147,8 +76,8 @@ def capture_early_exit(
     queries: tuple[int, ...] | None = None,
 ) -> ExitGraph:
     """Capture ``runner.forward`` for ``[batch_size, tokens]`` inputs and cut it after
-    ``exit_layer`` layers. The runner's cache must be allocated; the capture writes only its
-    trash slot.
+    ``exit_layer`` layers (:func:`specfx.capture.capture_forward`, then the early-exit pass).
+    The runner's cache must be allocated; the capture writes only its trash slot.
 
     With ``tree`` and ``queries`` (indices 1..N of ``tree``'s nodes, one per input column, so
     ``tokens`` is ``len(queries)``): the forward over those token-tree nodes, masked by
@@ -157,60 +86,19 @@ def capture_early_exit(
     so each set of queries needs a capture of its own."""
     if (tree is None) != (queries is None):
         raise ValueError("capture_early_exit: pass tree= and queries= together (or neither).")
-    device = runner.device
-    if tree is None:
-
-        def forward(ids, positions, slots):
-            return runner.forward(ids, positions, slots)
-
-    else:
-        tokens = len(queries)
-
-        def forward(ids, positions, slots, lengths, depth, ancestors):
-            return runner.forward(ids, positions, slots, tree=TreeView(lengths, depth, ancestors, queries))
-
-    ids = torch.zeros((batch_size, tokens), dtype=torch.long, device=device)
-    positions = torch.zeros_like(ids)
-    slots = torch.full_like(ids, runner.cache.trash_slot)
-    given = {"ids": ids, "positions": positions, "slots": slots}  # the call's own inputs, by name
+    view = None
     if tree is not None:
-        tensors = tree.tensors(device)
-        # lengths 0: every query's slot is the trash slot anyway; the mask is all the tree changes
-        given.update(lengths=torch.zeros(batch_size, dtype=torch.long, device=device))
-        given.update(depth=tensors.depth, ancestors=tensors.ancestors)
-    forward = fresh_code(forward)  # a private code object: Dynamo traces it anew, whatever it saw before
+        tensors = tree.tensors(runner.device)
+        view = TreeView(None, tensors.depth, tensors.ancestors, tuple(queries))  # lengths: the capture's own
+    layer_names = decoder_layer_names(runner.model)
+
+    def cut(gm: fx.GraphModule) -> int:
+        return early_exit(gm, layer_names=layer_names, exit_layer=exit_layer)
+
     try:
-        with torch.no_grad():
-            # torch._dynamo.optimize is what torch.compile calls; called directly, Dynamo's
-            # backend table holds one entry (the recorder) instead of a wrapper per capture.
-            torch._dynamo.optimize(_RECORDER, nopython=True, dynamic=False)(forward)(*given.values())
-    except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise EarlyExitError(
-            f"early exit: capturing {type(runner.model).__name__}'s forward as one graph failed "
-            f"({type(e).__name__}: {first}); the cut needs a forward Dynamo traces without graph breaks."
-        ) from e
-    finally:
-        captured = _RECORDER.take()
-        # The graph is all this capture wants from Dynamo. Its cache entry on the private code
-        # object (guards, transformed code, the compiled function installed in this module's
-        # globals) would outlive the code object: Dynamo's orig_code_map holds the code strongly
-        # from a value whose weak key lives in that very entry, so neither is ever freed. Drop it.
-        torch._dynamo.reset_code(forward.__code__)
-    (gm, example_inputs), = captured
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    cache = runner.cache  # its tensors are read at call time (the capture outlives reallocations)
-    dynamic = {id(t): ("cache", None, name) for name, t in vars(cache).items() if isinstance(t, torch.Tensor)}
-    for i, layer in enumerate(cache.layers):
-        if layer.is_initialized:
-            dynamic.update({id(layer.keys): ("kv", i, "keys"), id(layer.values): ("kv", i, "values")})
-    dynamic.update({id(x): name for name, x in given.items()})
-    binding = {p.name: dynamic.get(id(x), x) for p, x in zip(placeholders, example_inputs, strict=True)}
-    removed = early_exit(gm, layer_names=decoder_layer_names(runner.model), exit_layer=exit_layer)
-    inputs = [binding[n.name] for n in gm.graph.nodes if n.op == "placeholder"]
-    # A plain GraphModule (Dynamo hands out lazily recompiled ones, which it will not inline
-    # when the round graph calls this one).
-    return ExitGraph(fx.GraphModule(gm, gm.graph), inputs, removed, runner, queries)
+        return capture_forward(runner, batch_size, tokens, tree=view, transform=cut, result=ExitGraph)
+    except CaptureError as e:
+        raise EarlyExitError(f"early exit: {e}") from e
 
 
 def _check_layer(layer, num_layers: int | None = None) -> int:

@@ -102,6 +102,7 @@ class SpeculativeGenerator:
         self.target_runner = ModelRunner(model, role="target")
         self.drafter = resolve_drafter(draft, model)
         self.drafter.bind(self.target_runner)
+        self.target_runner.check_taps(self.drafter.taps)  # the hidden states it reads exist
         self.spec_config = config
         # a tree round, or None: a chain of K (a tree that is a short chain runs as that chain)
         self.tree = config.tree
@@ -224,6 +225,7 @@ class SpeculativeGenerator:
         compiled = self.spec_config.compile and (kind == "round" or self.spec_config.compile_prefill)
         if not compiled:
             return types.MethodType(impl, self)
+        self._prepare_taps(kind, extra[0])
         key = self.graph_key(kind, *extra)
         fn = self._variants.get(key)
         if fn is not None:
@@ -259,6 +261,18 @@ class SpeculativeGenerator:
             logger.info("specfx: evicting the compiled graph for %s (max_graphs=%d)", evicted, self.spec_config.max_graphs)
             self._drop(evicted)
         return first_call
+
+    def _prepare_taps(self, kind: str, shape) -> None:
+        """Capture the target's tapped forward for the shape this graph calls it with (the
+        prompt bucket, K + 1 or a tree's N + 1 tokens), eagerly, before Dynamo traces the graph
+        (a capture cannot start inside that trace); a no-op once captured."""
+        taps, batch = self.drafter.taps, self._shape[0]
+        if kind == "prefill":
+            self.target_runner.prepare_taps(batch, shape, taps)
+        elif isinstance(shape, TokenTree):
+            self.target_runner.prepare_taps(batch, shape.size + 1, taps, tree=shape)
+        else:
+            self.target_runner.prepare_taps(batch, shape + 1, taps)
 
     def _drop(self, key: tuple) -> None:
         """Forget a variant and free what Dynamo compiled for it."""

@@ -239,9 +239,6 @@ class MTP(Drafter):
         zeros = torch.zeros((batch_size, 1), dtype=torch.long, device=device)
         trash = torch.full_like(zeros, self.cache.trash_slot)
         with torch.no_grad():
-            # transformers sets up its output recording (hooks it installs once, lazily) on the
-            # first output_hidden_states call; do that here, eagerly, not inside a compiled graph
-            self.target.forward(zeros, zeros, trash, taps=self.taps)
             for i in range(self.num_layers):
                 self._layer(i, zeros, self.stash[i], zeros, trash)
 

@@ -9,8 +9,12 @@ from transformers import PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from .cache import SlotCache
+from .capture import CapturedForward, CaptureError, capture_forward, decoder_layer_names
 from .masks import TreeView, check_attn_implementation, mask_plan
+from .passes.driver import run_passes
+from .passes.hidden_taps import check_tap_names, hidden_taps
 from .probe import compare, full_logits, incremental_logits, probe_capacity, probe_length, probe_tokens
+from .tree import TokenTree
 
 __all__ = ["ModelRunner", "check_causal_lm"]
 
@@ -83,6 +87,9 @@ class ModelRunner:
         self.protocol = "mask_4d"
         self.probe_length = probe_length(config, self.mask_plan, self.max_positions)
         self.probed_capacity = 0  # the largest buffer capacity the probe vouched for (0: none yet)
+        # taps_key(...) -> the captured forward returning (logits, *tapped); see prepare_taps
+        self._tap_graphs: dict[tuple, CapturedForward] = {}
+        self._tap_signature: tuple | None = None  # (dtype, device) the captures were made for
         self._check_incremental(probe_capacity(self.probe_length))
 
     def _check_incremental(self, capacity: int) -> None:
@@ -168,6 +175,13 @@ class ModelRunner:
         if capacity > self.probed_capacity:
             self._check_incremental(capacity)
         self._allocate_buffers(batch_size, capacity)
+        # Tapped captures of this capacity stay (they read the current cache's tensors at call
+        # time, and a compiled round that inlined one would recompile for a new one); those of
+        # an outgrown capacity, or of another dtype or device, go.
+        signature = (self.dtype, self.device)
+        if signature != self._tap_signature:
+            self._tap_graphs, self._tap_signature = {}, signature
+        self._tap_graphs = {k: g for k, g in self._tap_graphs.items() if k[2] == capacity}
 
     def _allocate_buffers(self, batch_size: int, capacity: int) -> None:
         self.cache = SlotCache(self.num_layers, batch_size, capacity, self.device)
@@ -184,8 +198,11 @@ class ModelRunner:
         taps: tuple[str, ...] = (),
     ):
         """ids, positions, slots ``[B, T]`` -> logits ``[B, T, V]``; writes KV at ``slots``.
-        With ``taps`` (names from :mod:`specfx.taps`): ``(logits, features)``, one hidden state
-        ``[B, T, H]`` per tap, for drafters that read the target's hidden states.
+        With ``taps`` (``"final"``, ``"last"``, ``"layer:i"``; see
+        :mod:`specfx.passes.hidden_taps`): ``(logits, features)``, one hidden state ``[B, T, H]``
+        per tap, for drafters that read the target's hidden states, from a capture of this
+        forward rewritten by the hidden-taps pass (:meth:`prepare_taps`); its logits are bit
+        for bit the untapped forward's.
         With ``tree``: the tokens are token-tree nodes, and each sees the committed prefix and
         its own ancestors only (:func:`specfx.masks.visible_slots`).
 
@@ -199,10 +216,10 @@ class ModelRunner:
             if taps:
                 raise ValueError(self.taps_refusal())
             return self._forward_rowwise(ids, positions, slots)
+        if taps:
+            return self._forward_tapped(ids, positions, slots, tree, taps)
         cache.slots = slots
         mask = self.mask_plan.build(positions, cache.capacity, self.mask_format, self.dtype, tree)
-        if taps:
-            return self._call_tapped(ids, mask, positions, taps)
         return self._call(ids, mask, positions)
 
     def tree_refusal(self) -> str | None:
@@ -214,6 +231,79 @@ class ModelRunner:
                 f"given a token tree's mask; use a chain (num_speculative_tokens=K, no tree=)."
             )
         return None
+
+    # ----------------------------------------------------------------- hidden taps
+    def check_taps(self, taps) -> None:
+        """ValueError unless drafters can read the hidden states ``taps`` of this model: the
+        names must be valid for its layers and the model must run in one forward (at
+        ``speculate()`` time, so a bad drafter fails before any capture)."""
+        if not taps:
+            return
+        why = self.taps_refusal()
+        if why is not None:
+            raise ValueError(why)
+        check_tap_names(taps, self.num_layers)
+        decoder_layer_names(self.model)  # the layer boundaries must be findable
+
+    def taps_key(self, batch_size: int, tokens: int, tree: TreeView | TokenTree | None, taps) -> tuple:
+        """The shape a tapped capture serves: ``(batch, tokens, capacity, tree, taps)``, tree
+        None or ``(rows of its tables, N, queries)``."""
+        if isinstance(tree, TokenTree):  # a round's verification: every node, one table for all rows
+            tree = (1, tree.size, tuple(range(tree.size + 1)))
+        elif tree is not None:
+            tree = (tree.depth.shape[0], tree.depth.shape[1] - 1, tuple(tree.queries))
+        return (batch_size, tokens, self.cache.capacity, tree, tuple(taps))
+
+    def prepare_taps(self, batch_size: int, tokens: int, taps, tree: TokenTree | None = None) -> None:
+        """Capture, now and eagerly, the tapped forward of ``[batch_size, tokens]`` inputs (with
+        ``tree``: a verification of all its nodes) unless it is captured already. A compiled
+        graph calling ``forward(..., taps=...)`` must find its capture ready: capturing is a
+        Dynamo trace of its own, which cannot run while a round is being compiled."""
+        if not taps or self._tap_graphs.get(self.taps_key(batch_size, tokens, tree, taps)) is not None:
+            return
+        view = None
+        if tree is not None:
+            tables = tree.tensors(self.device)
+            lengths = torch.zeros(batch_size, dtype=torch.long, device=self.device)
+            view = TreeView(lengths, tables.depth, tables.ancestors, tuple(range(tree.size + 1)))
+        self._capture_taps(batch_size, tokens, view, taps)
+
+    def _forward_tapped(self, ids, positions, slots, tree: TreeView | None, taps):
+        key = self.taps_key(ids.shape[0], ids.shape[1], tree, taps)
+        graph = self._tap_graphs.get(key)
+        if graph is None:
+            if torch.compiler.is_compiling():
+                raise RuntimeError(
+                    f"specfx internal error: forward(taps={tuple(taps)}) inside a compiled graph for a shape "
+                    f"(batch, tokens, capacity, tree, taps) = {key} that was not captured beforehand; "
+                    f"ModelRunner.prepare_taps() must run eagerly before the graph is compiled."
+                )
+            graph = self._capture_taps(ids.shape[0], ids.shape[1], tree, taps)
+        logits, *features = graph(ids, positions, slots, tree)
+        return logits, tuple(features)
+
+    def _capture_taps(self, batch_size: int, tokens: int, tree: TreeView | None, taps) -> CapturedForward:
+        self.check_taps(taps)
+        layer_names = decoder_layer_names(self.model)
+
+        def hidden_taps_pass(gm):
+            return hidden_taps(gm, layer_names=layer_names, taps=taps)
+
+        hidden_taps_pass.__name__ = "hidden_taps"  # how the driver names it in errors
+
+        def transform(gm) -> int:  # through the driver: the graph is linted after the pass
+            return run_passes(gm, [hidden_taps_pass], round_checks=False).sites[0][1]
+
+        try:
+            graph = capture_forward(self, batch_size, tokens, tree=tree, transform=transform)
+        except CaptureError as e:
+            raise ValueError(
+                f"{self.role} ({type(self.model).__name__}): the hidden-state taps {tuple(taps)} need its forward "
+                f"captured as one graph, and {e} Drafters that read no hidden states (a draft model, "
+                f"prompt lookup) can serve it."
+            ) from e
+        self._tap_graphs[self.taps_key(batch_size, tokens, tree, taps)] = graph
+        return graph
 
     def taps_refusal(self) -> str | None:
         """Why drafters cannot read this model's hidden states, or None if they can."""
@@ -237,20 +327,6 @@ class ModelRunner:
             **kwargs,
         )
         return out if kwargs else out.logits
-
-    def _call_tapped(self, ids, mask, positions, taps):
-        # INTERIM (replaced by the hidden-taps graph pass): every layer's hidden state.
-        out = self._call(ids, mask, positions, output_hidden_states=True)
-        hs = out.hidden_states
-        features = []
-        for tap in taps:
-            if tap == "final":
-                features.append(hs[-1])
-            elif tap.startswith("layer:"):
-                features.append(hs[int(tap[6:])])
-            else:
-                raise NotImplementedError(tap)
-        return out.logits, tuple(features)
 
     def _forward_rowwise(self, ids, positions, slots):
         """The fallback protocol for models that need a 2-D padding mask (Bloom builds its ALiBi

@@ -1,13 +1,15 @@
 """FX graph passes, one per file, run in order by :func:`run_passes`.
 
-Not in the default :data:`PIPELINE`: :func:`early_exit` (cut a captured model forward after
-decoder layer N; applied by :class:`specfx.EarlyExit` to its own capture of the target).
+Not in the default :data:`PIPELINE` (applied to specfx's own captures of the target's forward):
+:func:`early_exit` (cut after decoder layer N; :class:`specfx.EarlyExit`) and
+:func:`hidden_taps` (also return chosen hidden states; the runner's ``forward(..., taps=...)``).
 """
 
 from .backend import GraphRecord, make_backend, specfx_backend, specfx_eager_backend
 from .dead_code import remove_dead_code
 from .driver import PIPELINE, REWRITES, ROUND_CHECKS, PassError, PassReport, run_passes
 from .early_exit import EarlyExitError, early_exit
+from .hidden_taps import HiddenTapsError, check_tap_names, hidden_taps
 from .no_host_sync import HostSyncError, check_no_host_sync
 from .prune_logits import prune_logits
 from .static_kv import StaticKVError, check_static_kv
@@ -16,6 +18,7 @@ __all__ = [
     "PIPELINE",
     "EarlyExitError",
     "GraphRecord",
+    "HiddenTapsError",
     "HostSyncError",
     "PassError",
     "PassReport",
@@ -24,7 +27,9 @@ __all__ = [
     "StaticKVError",
     "check_no_host_sync",
     "check_static_kv",
+    "check_tap_names",
     "early_exit",
+    "hidden_taps",
     "make_backend",
     "prune_logits",
     "remove_dead_code",

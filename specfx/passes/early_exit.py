@@ -38,7 +38,7 @@ from torch import fx
 
 from .dead_code import remove_dead_code
 
-__all__ = ["EarlyExitError", "early_exit", "layer_of", "normalize_module_path"]
+__all__ = ["EarlyExitError", "early_exit", "layer_map", "layer_of", "normalize_module_path"]
 
 
 class EarlyExitError(RuntimeError):
@@ -69,6 +69,24 @@ def layer_of(node: fx.Node, layer_names: list[str]) -> int | None:
     return None
 
 
+def layer_map(nodes: list[fx.Node], layer_names: list[str], error: Exception) -> tuple[dict, dict]:
+    """``(layer, by_layer)``: each node's decoder layer (None outside the layers) and each
+    layer's nodes in graph order. Raises ``error`` (its message says who needs the layers)
+    with the layers no node was traced in."""
+    layer = {n: layer_of(n, layer_names) for n in nodes}
+    by_layer: dict[int, list[fx.Node]] = {}
+    for n, i in layer.items():
+        if i is not None:
+            by_layer.setdefault(i, []).append(n)
+    missing = [i for i in range(len(layer_names)) if i not in by_layer]
+    if missing:
+        raise type(error)(
+            f"no graph node was traced inside decoder layer(s) {missing} ({layer_names[missing[0]]}); "
+            f"the capture does not show the layer structure {error}"
+        )
+    return layer, by_layer
+
+
 def _crossing(nodes_in: list[fx.Node], consumer) -> list[fx.Node]:
     """Nodes of a layer that some node satisfying ``consumer`` uses."""
     return [n for n in nodes_in if any(consumer(u) for u in n.users)]
@@ -87,17 +105,7 @@ def early_exit(gm: fx.GraphModule, *, layer_names: list[str], exit_layer: int) -
         raise EarlyExitError(f"exit_layer must be in [1, {num_layers - 1}], got {exit_layer}")
     graph = gm.graph
     nodes = list(graph.nodes)
-    layer = {n: layer_of(n, layer_names) for n in nodes}
-    by_layer: dict[int, list[fx.Node]] = {}
-    for n, i in layer.items():
-        if i is not None:
-            by_layer.setdefault(i, []).append(n)
-    missing = [i for i in range(num_layers) if i not in by_layer]
-    if missing:
-        raise EarlyExitError(
-            f"no graph node was traced inside decoder layer(s) {missing} ({layer_names[missing[0]]}); "
-            f"the capture does not show the layer structure the cut needs"
-        )
+    layer, by_layer = layer_map(nodes, layer_names, EarlyExitError("the cut needs"))
 
     last = num_layers - 1
     # What follows the layers: nodes outside every layer placed after the last layer's nodes.

@@ -15,6 +15,8 @@ the tree compiled too; bloom, the subset's third, is on the rowwise protocol (re
 Full matrix outside CI: ``python -m specfx.models.architectures --sweep``.
 """
 
+import inspect
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -272,3 +274,116 @@ def test_declared_unsupported_refused(arch):
     model = tiny_causal_lm(arch, **ARCHITECTURES[arch].overrides)
     with pytest.raises(ValueError, match=r"is not supported by specfx: "):
         specfx.speculate(model, draft=model, compile=False)
+
+
+# Hidden taps (specfx.passes.hidden_taps): what drafters reading the target's hidden states get,
+# from one capture per architecture (a token-tree verification; the causal forward is covered
+# in tests/passes/test_hidden_taps.py). Dynamo cannot capture CTRL's forward (it reassigns a
+# registered buffer, self.pos_encoding): refused with the reason.
+UNCAPTURABLE = ("ctrl",)
+# MPT's ALiBi bias comes from key *slots*, not positions, so where a tree node's slot differs
+# from its position (siblings) the tree forward itself differs from HF's forward of the path.
+TREE_SLOT_BIAS = ("mpt",)
+TAPS = ("layer:0", "layer:1", "last", "final")
+
+
+class _Tapping(specfx.drafters.Drafter):
+    """A drafter that reads the target's final hidden state (speculate() checks its taps)."""
+
+    name = "tapping"
+    taps = ("final",)
+
+
+def _hf_hidden(model, ids):
+    """HF's own forward of ``ids [1, S]`` at positions 0..S-1, by tap name: hidden_states[i]
+    (the input of layer i), [-1] (after the final norm) and the last layer's output (a hook)."""
+    from specfx.capture import decoder_layer_names
+
+    last = model.get_submodule(decoder_layer_names(model)[-1])
+    seen = []
+    hook = last.register_forward_hook(lambda module, args, out: seen.append(out[0] if isinstance(out, tuple) else out))
+    kw = {}
+    if "position_ids" in inspect.signature(model.forward).parameters:  # as the probe runs it: positions 0..S-1
+        kw["position_ids"] = torch.arange(ids.shape[1]).unsqueeze(0)
+    try:
+        with torch.no_grad():
+            hidden = model(ids, output_hidden_states=True, **kw).hidden_states
+    finally:
+        hook.remove()
+    return {"last": seen[-1], "final": hidden[-1], **{f"layer:{i}": h for i, h in enumerate(hidden[:-1])}}
+
+
+def _tree_taps(arch):
+    """The runner's tapped tree verification (every node of TREE) after the left-padded prompts
+    of a batch of 2 (8 and 10 tokens) were prefilled: (model, prompts, mask, node tokens, features)."""
+    target = _pair(arch)[0]
+    runner = specfx.runner.ModelRunner(target, "target")
+    runner.allocate(2, 64)
+    ids, mask = _ragged(batch=2)
+    lengths = mask.sum(dim=1)  # [2]
+    pos = (mask.cumsum(dim=1) - 1).clamp_min(0)
+    tables = TREE.tensors("cpu")
+    nodes = prompt(TREE.size + 1, batch=2, seed=8)  # [2, N+1]: the pending token, then the nodes
+    view = TreeView(lengths, tables.depth, tables.ancestors, tuple(range(TREE.size + 1)))
+    tree_pos = lengths.unsqueeze(1) + tables.depth
+    slots = lengths.unsqueeze(1) + torch.arange(TREE.size + 1)
+    with torch.no_grad():
+        runner.forward(ids, pos, torch.where(mask.bool(), pos, runner.cache.trash_slot))  # the prompts' KV
+        logits, features = runner.forward(nodes, tree_pos, slots, tree=view, taps=TAPS)
+        assert torch.equal(logits, runner.forward(nodes, tree_pos, slots, tree=view)), "tapping changed the logits"
+    return target, ids, mask, nodes, features
+
+
+@pytest.mark.parametrize(
+    "arch",
+    [
+        pytest.param(a, marks=pytest.mark.xfail(strict=True, reason="ALiBi from slots: tree forward != HF"))
+        if a in TREE_SLOT_BIAS
+        else a
+        for a in SUPPORTED
+        if a not in ROWWISE + UNCAPTURABLE
+    ],
+)
+def test_taps_equal_hf_hidden_states(arch, one_thread):
+    """Every node's taps equal HF's output_hidden_states of its row's prompt followed by the
+    node's path (root .. node), and the tapped forward's logits are bit for bit the untapped
+    one's. One HF forward per leaf covers the nodes on its path."""
+    target, ids, mask, nodes, features = _tree_taps(arch)
+    assert [f.shape[:2] for f in features] == [(2, TREE.size + 1)] * len(TAPS)
+    assert not torch.allclose(features[0], features[1])  # neighbouring boundaries differ: the checks can fail
+    tables = TREE.tensors("cpu")
+    paths, depth = tables.path[0], tables.depth[0]  # [N+1, D+1], [N+1]
+    leaves = [n for n in range(1, TREE.size + 1) if not TREE.has_children(n)]
+    for b in range(2):
+        real = ids[b, mask[b].bool()]
+        for leaf in leaves:
+            path = paths[leaf, : int(depth[leaf]) + 1]  # root .. leaf
+            expected = _hf_hidden(target, torch.cat([real, nodes[b, path]]).unsqueeze(0))
+            for tap, got in zip(TAPS, features, strict=True):
+                ref = expected[tap][0, len(real) :]  # [len(path), H]
+                scale = max(1.0, float(ref.abs().max()))
+                torch.testing.assert_close(
+                    got[b, path], ref, rtol=1e-4, atol=1e-4 * scale, msg=lambda m, t=tap: f"{t}: {m}"
+                )
+
+
+@pytest.mark.parametrize("arch", UNCAPTURABLE)
+def test_taps_refused_where_the_forward_cannot_be_captured(arch, one_thread):
+    with pytest.raises(ValueError, match=r"hidden-state taps .* need its forward captured as one graph.*Unsupported"):
+        _tree_taps(arch)
+
+
+@pytest.mark.parametrize("arch", ROWWISE)
+def test_rowwise_fallback_refuses_taps(arch):
+    """At speculate() time for a drafter that reads hidden states, and in the runner's forward."""
+    target, _ = _pair(arch)
+    runner = specfx.runner.ModelRunner(target, "target")
+    refusal = r"target \(\w+ForCausalLM\) needs a 2-D padding mask .* hidden states cannot be tapped in one forward"
+    with pytest.raises(ValueError, match=refusal):
+        runner.check_taps(("final",))
+    with pytest.raises(ValueError, match=refusal):
+        specfx.speculate(target, draft=_Tapping(), compile=False)
+    runner.allocate(1, 16)
+    zeros = torch.zeros((1, 2), dtype=torch.long)
+    with pytest.raises(ValueError, match=refusal):
+        runner.forward(zeros, zeros, zeros, taps=("final",))

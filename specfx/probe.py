@@ -37,6 +37,7 @@ __all__ = [
     "probe_capacity",
     "probe_length",
     "probe_tokens",
+    "tree_logits",
 ]
 
 # The generator's first capacity (SpecConfig.min_capacity's default); buffers grow by doubling,
@@ -139,13 +140,40 @@ def incremental_logits(runner, seq: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.cat(r) for r in rows]).float()
 
 
-def compare(got: torch.Tensor, full: torch.Tensor, dtype: torch.dtype) -> str | None:
-    """None if ``got`` (:func:`incremental_logits`' ``[2L - PAD, V]``) reproduces ``full``
-    (:func:`full_logits`' ``[L, V]``): every logit within ``REL_TOL[dtype] * max|full|`` and,
-    at every position, got's argmax a top token of the reference (within the same tolerance:
-    near-ties may flip). Else what differs, in words."""
-    length = full.shape[0]
-    ref = torch.cat([full, full[: length - PAD]])  # row 1 decodes a prefix: causal, same logits
+# The tree probe's nodes after the pending token (seq[P]): a decoy first child, then the true
+# token as the second child (slot L + 2 at position L + 1) with the true next token under it
+# (slot L + 3 at position L + 2). Verified columns: the root, node 2 and node 3.
+TREE_PROBE = ((0,), (1,), (1, 0))
+TREE_PROBE_CHECKED = (0, 2, 3)
+
+
+def tree_logits(runner, seq: torch.Tensor) -> torch.Tensor:
+    """specfx's token-tree verification through ``runner`` (its cache allocated for 1 row):
+    prefill ``seq[:P]`` (P = L - 3), then one tree forward over the pending token ``seq[P]``
+    and :data:`TREE_PROBE`, where slots and positions differ. Returns the float logits ``[3,
+    V]`` of the root and the two true nodes, which must equal the full forward's at positions
+    P, P + 1, P + 2: a model that derives positions or biases from slot indices (MPT's ALiBi)
+    fails here though it decodes chains exactly."""
+    from .masks import TreeView
+    from .tree import TokenTree
+
+    length, vocab = seq.numel(), runner.vocab_size
+    p = length - 3
+    pos = torch.arange(p, device=seq.device).unsqueeze(0)
+    runner.forward(seq[:p].unsqueeze(0), pos, pos)
+    tree = TokenTree(TREE_PROBE).tensors(seq.device)
+    ids = torch.stack([seq[p], (seq[p + 1] + 1) % vocab, seq[p + 1], seq[p + 2]]).unsqueeze(0)  # [1, 4]
+    positions = p + tree.depth  # [1, 4]
+    slots = p + torch.arange(4, device=seq.device).unsqueeze(0)
+    view = TreeView(torch.tensor([p], device=seq.device), tree.depth, tree.ancestors, (0, 1, 2, 3))
+    out = runner.forward(ids, positions, slots, tree=view)
+    return out[0, list(TREE_PROBE_CHECKED)].float()
+
+
+def _mismatch(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype):
+    """None if ``got [N, V]`` reproduces ``ref [N, V]``: every logit within ``REL_TOL[dtype] *
+    max|ref|`` and, at every position, got's argmax a top token of the reference (within the
+    same tolerance: near-ties may flip). Else ``(worst position, what differs in words)``."""
     tol = REL_TOL.get(dtype, 8 * torch.finfo(dtype).eps) * float(ref.abs().amax().clamp_min(1.0))
     diff = (got - ref).abs().amax(dim=-1)  # [N]
     bad = ~(diff <= tol)  # NaN counts as bad
@@ -154,9 +182,28 @@ def compare(got: torch.Tensor, full: torch.Tensor, dtype: torch.dtype) -> str | 
     if not (bad.any() or flipped.any()):
         return None
     worst = int(torch.nan_to_num(diff, nan=float("inf")).argmax())
-    row, position = (0, worst) if worst < length else (1, worst - length)
-    return (
-        f"max |logit difference| {float(diff[worst]):.3g} at position {position} of row {row} "
-        f"(tolerance {tol:.3g} for {dtype}); {int(bad.sum())} of {diff.numel()} positions over it, "
-        f"argmax different at {int(flipped.sum())}"
+    return worst, (
+        f"max |logit difference| {float(diff[worst]):.3g} at {{where}} (tolerance {tol:.3g} for {dtype}); "
+        f"{int(bad.sum())} of {diff.numel()} positions over it, argmax different at {int(flipped.sum())}"
     )
+
+
+def compare_rows(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> str | None:
+    """None if ``got [N, V]`` reproduces ``ref [N, V]`` (:func:`compare`'s rule), else what differs."""
+    found = _mismatch(got, ref, dtype)
+    return None if found is None else found[1].format(where=f"checked position {found[0]}")
+
+
+def compare(got: torch.Tensor, full: torch.Tensor, dtype: torch.dtype) -> str | None:
+    """None if ``got`` (:func:`incremental_logits`' ``[2L - PAD, V]``) reproduces ``full``
+    (:func:`full_logits`' ``[L, V]``): every logit within ``REL_TOL[dtype] * max|full|`` and,
+    at every position, got's argmax a top token of the reference (within the same tolerance:
+    near-ties may flip). Else what differs, in words."""
+    length = full.shape[0]
+    ref = torch.cat([full, full[: length - PAD]])  # row 1 decodes a prefix: causal, same logits
+    found = _mismatch(got, ref, dtype)
+    if found is None:
+        return None
+    worst, what = found
+    row, position = (0, worst) if worst < length else (1, worst - length)
+    return what.format(where=f"position {position} of row {row}")

@@ -13,7 +13,16 @@ from .capture import CapturedForward, CaptureError, capture_forward, decoder_lay
 from .masks import TreeView, check_attn_implementation, mask_plan
 from .passes.driver import run_passes
 from .passes.hidden_taps import check_tap_names, hidden_taps
-from .probe import compare, full_logits, incremental_logits, probe_capacity, probe_length, probe_tokens
+from .probe import (
+    compare,
+    compare_rows,
+    full_logits,
+    incremental_logits,
+    probe_capacity,
+    probe_length,
+    probe_tokens,
+    tree_logits,
+)
 from .tree import TokenTree
 
 __all__ = ["ModelRunner", "check_causal_lm"]
@@ -87,6 +96,7 @@ class ModelRunner:
         self.protocol = "mask_4d"
         self.probe_length = probe_length(config, self.mask_plan, self.max_positions)
         self.probed_capacity = 0  # the largest buffer capacity the probe vouched for (0: none yet)
+        self._tree_failure: str | None = None  # the tree probe's finding ("" = passed; None = not run)
         # taps_key(...) -> the captured forward returning (logits, *tapped); see prepare_taps
         self._tap_graphs: dict[tuple, CapturedForward] = {}
         self._tap_signature: tuple | None = None  # (dtype, device) the captures were made for
@@ -223,14 +233,46 @@ class ModelRunner:
         return self._call(ids, mask, positions)
 
     def tree_refusal(self) -> str | None:
-        """Why this model cannot verify token trees, or None if it can."""
+        """Why this model cannot verify token trees, or None if it can. Checked once per runner
+        by a tree-shaped probe (:func:`specfx.probe.tree_logits`): tree nodes sit in slots that
+        are not their positions, which a model deriving positions or biases from slot indices
+        gets wrong (MPT's ALiBi) though it decodes chains exactly."""
         if self.protocol == "rowwise_2d":
             return (
                 f"{self.role} ({type(self.model).__name__}) needs a 2-D padding mask (specfx drives it "
                 f"row by row, letting transformers build its causal mask), so its attention cannot be "
                 f"given a token tree's mask; use a chain (num_speculative_tokens=K, no tree=)."
             )
+        if self._tree_failure is None:
+            self._tree_failure = self._probe_tree() or ""
+        if self._tree_failure:
+            return (
+                f"{self.role} ({type(self.model).__name__}) does not verify a token tree like its own full "
+                f"forward ({self._tree_failure}): tree nodes sit in KV slots that are not their positions, and "
+                f"this model derives positions or attention biases from slot indices (ALiBi built from the "
+                f"cache, as MPT's). specfx cannot verify trees on it exactly; use a chain "
+                f"(num_speculative_tokens=K, no tree=)."
+            )
         return None
+
+    def _probe_tree(self) -> str | None:
+        """None if a tree verification reproduces the full forward, else what differs (or the
+        exception raised). Skipped in training mode, like the incremental probe."""
+        if self.model.training:
+            return None
+        seq = probe_tokens(min(self.probe_length, 16), self.vocab_size, self.device)
+        saved = self.cache
+        try:
+            with torch.no_grad():
+                full = full_logits(self.model, seq)
+                self._allocate_buffers(1, probe_capacity(seq.numel()))
+                got = tree_logits(self, seq)
+        except Exception as e:  # reported by the caller, which names the model
+            return f"{type(e).__name__}: {e}"
+        finally:
+            self.cache = saved
+        n = seq.numel()
+        return compare_rows(got, full[n - 3 :], self.dtype)
 
     # ----------------------------------------------------------------- hidden taps
     def check_taps(self, taps) -> None:

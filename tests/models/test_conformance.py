@@ -111,10 +111,14 @@ def test_compiled_greedy_equals_hf(arch, one_thread):
 
 # Token trees. Models on the rowwise 2-D-mask protocol cannot take a tree's mask.
 ROWWISE = ("bloom",)
+# MPT's ALiBi bias comes from key *slots*, not positions, so where a tree node's slot differs
+# from its position (siblings) the tree forward itself differs from HF's forward of the path:
+# the runner's tree probe refuses trees for it.
+TREE_SLOT_BIAS = ("mpt",)
 TREE = TokenTree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])  # second children at depths 1 and 2
 
 
-@pytest.mark.parametrize("arch", [a for a in SUPPORTED if a not in ROWWISE])
+@pytest.mark.parametrize("arch", [a for a in SUPPORTED if a not in ROWWISE + TREE_SLOT_BIAS])
 def test_tree_greedy_equals_hf(arch, one_thread):
     target, draft = _pair(arch)
     spec = specfx.speculate(target, draft=draft, tree=TREE, compile=False)
@@ -123,6 +127,18 @@ def test_tree_greedy_equals_hf(arch, one_thread):
     _check_greedy(spec, target, *_ragged(batch=2), 12, **no_eos)  # prompts of 8 and 10 tokens: past a window of 8
     per_depth = spec.cumulative_stats.per_depth
     assert per_depth[1] > 0, per_depth  # paths of two nodes were accepted (and moved to committed slots)
+
+
+@pytest.mark.parametrize("arch", TREE_SLOT_BIAS)
+def test_slot_biased_models_refuse_trees(arch, one_thread):
+    """The tree probe catches a model whose tree verification differs from its full forward
+    (chains stay exact: it is in test_greedy_equals_hf), as target and as draft."""
+    target, draft = _pair(arch)
+    refusal = r"\(\w+ForCausalLM\) does not verify a token tree like its own full forward \(max \|logit difference\|"
+    with pytest.raises(ValueError, match=r"speculate\(tree=...\): target " + refusal):
+        specfx.speculate(target, draft=draft, tree=TREE, compile=False)
+    with pytest.raises(ValueError, match=r"speculate\(tree=...\): draft " + refusal):
+        specfx.speculate(_pair("llama")[0], draft=target, tree=TREE, compile=False)
 
 
 @pytest.mark.parametrize("arch", ROWWISE)
@@ -281,9 +297,6 @@ def test_declared_unsupported_refused(arch):
 # in tests/passes/test_hidden_taps.py). Dynamo cannot capture CTRL's forward (it reassigns a
 # registered buffer, self.pos_encoding): refused with the reason.
 UNCAPTURABLE = ("ctrl",)
-# MPT's ALiBi bias comes from key *slots*, not positions, so where a tree node's slot differs
-# from its position (siblings) the tree forward itself differs from HF's forward of the path.
-TREE_SLOT_BIAS = ("mpt",)
 TAPS = ("layer:0", "layer:1", "last", "final")
 
 

@@ -269,7 +269,7 @@ class SpeculativeGenerator:
         taps, batch = self.drafter.taps, self._shape[0]
         if kind == "prefill":
             self.target_runner.prepare_taps(batch, shape, taps)
-        elif isinstance(shape, TokenTree):
+        elif isinstance(shape, (TokenTree, DynamicTree)):
             self.target_runner.prepare_taps(batch, shape.size + 1, taps, tree=shape)
         else:
             self.target_runner.prepare_taps(batch, shape + 1, taps)

@@ -23,7 +23,7 @@ from .probe import (
     probe_tokens,
     tree_logits,
 )
-from .tree import TokenTree
+from .tree import DynamicTree, TokenTree, TreeTensors
 
 __all__ = ["ModelRunner", "check_causal_lm"]
 
@@ -292,11 +292,13 @@ class ModelRunner:
         None or ``(rows of its tables, N, queries)``."""
         if isinstance(tree, TokenTree):  # a round's verification: every node, one table for all rows
             tree = (1, tree.size, tuple(range(tree.size + 1)))
+        elif isinstance(tree, DynamicTree):  # the same, with a table per row
+            tree = (batch_size, tree.size, tuple(range(tree.size + 1)))
         elif tree is not None:
             tree = (tree.depth.shape[0], tree.depth.shape[1] - 1, tuple(tree.queries))
         return (batch_size, tokens, self.cache.capacity, tree, tuple(taps))
 
-    def prepare_taps(self, batch_size: int, tokens: int, taps, tree: TokenTree | None = None) -> None:
+    def prepare_taps(self, batch_size: int, tokens: int, taps, tree: TokenTree | DynamicTree | None = None) -> None:
         """Capture, now and eagerly, the tapped forward of ``[batch_size, tokens]`` inputs (with
         ``tree``: a verification of all its nodes) unless it is captured already. A compiled
         graph calling ``forward(..., taps=...)`` must find its capture ready: capturing is a
@@ -305,7 +307,11 @@ class ModelRunner:
             return
         view = None
         if tree is not None:
-            tables = tree.tensors(self.device)
+            if isinstance(tree, DynamicTree):  # per-row tables, traced as inputs: any tree of that shape
+                parents = torch.zeros((batch_size, tree.size + 1), dtype=torch.long, device=self.device)
+                tables = TreeTensors.from_parents(parents, tree.depth)
+            else:
+                tables = tree.tensors(self.device)
             lengths = torch.zeros(batch_size, dtype=torch.long, device=self.device)
             view = TreeView(lengths, tables.depth, tables.ancestors, tuple(range(tree.size + 1)))
         self._capture_taps(batch_size, tokens, view, taps)

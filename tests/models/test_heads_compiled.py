@@ -1,5 +1,6 @@
-"""Every head type, compiled, on the six target families of issue 11: one round graph, greedy
-output equal to model.generate(), and no recompile for new batch contents.
+"""Every head type, compiled, on the six target families of issue 11, as a chain of 3 and as a
+tree: one round graph, greedy output equal to model.generate(), and no recompile for new batch
+contents.
 
 CI traces the rounds with the ``specfx_eager`` backend (Dynamo's capture and specfx's passes,
 run without Inductor: a few seconds per graph); each head's own test file compiles llama with
@@ -8,8 +9,8 @@ Inductor. For the full Inductor matrix run
     SPECFX_HEADS_BACKEND=specfx python -m pytest -q tests/models/test_heads_compiled.py
 
 Heads are seeded random ones built in memory (their layouts and proposals are checked by
-tests/models/test_medusa.py, test_eagle.py and test_eagle3.py); each runs the tree shape that
-exercises the most of it: Medusa a static tree, EAGLE an EAGLE-2 dynamic tree, EAGLE-3 a static
+tests/models/test_medusa.py, test_eagle.py and test_eagle3.py); each runs, besides the chain,
+the tree shape that exercises the most of it: Medusa a static tree, EAGLE an EAGLE-2 dynamic tree, EAGLE-3 a static
 tree with a draft vocabulary smaller than the target's.
 """
 
@@ -43,9 +44,11 @@ TREES = {"medusa": TREE, "eagle": TokenTree.eagle2(budget=8, depth=3, branching=
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("kind", sorted(TREES))
-def test_compiled_tree_round(kind, arch, one_thread):
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_compiled_round(shape, kind, arch, one_thread):
     target = tiny_causal_lm(arch, num_layers=4)
-    spec = specfx.speculate(target, draft=_head(kind, target), tree=TREES[kind], backend=BACKEND)
+    round_shape = dict(num_speculative_tokens=3) if shape == "chain" else dict(tree=TREES[kind])
+    spec = specfx.speculate(target, draft=_head(kind, target), backend=BACKEND, **round_shape)
     kwargs = dict(max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
     for length, pads in [(10, (0, 3)), (7, (2, 0))]:  # the second call: new contents, same shapes
         ids, mask = left_padded(length, pads, seed=length)

@@ -138,7 +138,9 @@ def load_checkpoint(ckpt: Path, head: TrainHead, opt) -> tuple[int, list]:
     params = dict(head.module.named_parameters())
     saved = {k[5:] for k in tensors if k.startswith("head.")}
     if saved != set(params):
-        raise ValueError(f"checkpoint {ckpt} does not match the head: it has {sorted(saved)[:4]}..., expected {sorted(params)[:4]}...")
+        raise ValueError(
+            f"checkpoint {ckpt} does not match the head: it has {sorted(saved)[:4]}..., expected {sorted(params)[:4]}..."
+        )
     with torch.no_grad():
         for n, p in params.items():
             p.copy_(tensors[f"head.{n}"])
@@ -177,7 +179,9 @@ def evaluate(cfg: TrainConfig, model, head_dir: Path, kind: str, held) -> dict:
     settings: dict[str, dict] = {}
     for k in cfg.eval_ks:
         settings[f"K={k}"] = {"num_speculative_tokens": k}
-    settings["tree"] = {"tree": specfx.TokenTree.medusa(budget=16) if kind == "medusa" else specfx.TokenTree.eagle2(budget=16)}
+    settings["tree"] = {
+        "tree": specfx.TokenTree.medusa(budget=16) if kind == "medusa" else specfx.TokenTree.eagle2(budget=16)
+    }
     results = {}
     for name, kw in settings.items():
         try:
@@ -212,7 +216,9 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
     cfg_path = out / "config.json"
     if (ckpt / "meta.json").exists():
         if not resume:
-            raise ValueError(f"--out {str(out)!r} already holds a training checkpoint: pass --resume to continue it, or a new --out.")
+            raise ValueError(
+                f"--out {str(out)!r} already holds a training checkpoint: pass --resume to continue it, or a new --out."
+            )
         fixed = {k: v for k, v in json.loads(cfg_path.read_text()).items() if k not in ("steps", "ckpt_every")}
         mine = {k: v for k, v in asdict(cfg).items() if k not in ("steps", "ckpt_every")}
         if fixed != mine:
@@ -222,7 +228,9 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
         raise ValueError(f"--resume: {str(out)!r} holds no checkpoint (ckpt/meta.json) to continue.")
     tokenizer = load_tokenizer(cfg.target)
     if tokenizer is None:
-        raise ValueError(f"--target {cfg.target!r} has no tokenizer files; specfx train tokenizes --data with the target's tokenizer.")
+        raise ValueError(
+            f"--target {cfg.target!r} has no tokenizer files; specfx train tokenizes --data with the target's tokenizer."
+        )
     texts = load_texts(cfg.data, tokenizer)
     train_ids, held_ids = streams(tokenizer, texts, cfg.heldout_permille, cfg.seq_len)
     out.mkdir(parents=True, exist_ok=True)
@@ -285,7 +293,9 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
     (out / "eval.json").write_text(json.dumps(summary, indent=1))
     for name, r in summary["eval"].items():
         if "tau" in r:
-            log(f"held-out greedy {name}: tau {r['tau']:.2f}, acceptance per depth {', '.join(f'{x:.2f}' for x in r['per_depth'])}")
+            log(
+                f"held-out greedy {name}: tau {r['tau']:.2f}, acceptance per depth {', '.join(f'{x:.2f}' for x in r['per_depth'])}"
+            )
         else:
             log(f"held-out {name}: skipped ({r['skipped']})")
     return summary
@@ -307,7 +317,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", dest="batch_size", type=int, default=argparse.SUPPRESS, help="alias of --batch-size")
     p.add_argument("--lr", type=float, default=defaults.lr)
     p.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
-    p.add_argument("--draft-vocab-size", type=int, default=None, help="EAGLE-3 from scratch: draft vocabulary (default min(V, 32000))")
+    p.add_argument(
+        "--draft-vocab-size",
+        type=int,
+        default=None,
+        help="EAGLE-3 from scratch: draft vocabulary (default min(V, 32000))",
+    )
     p.add_argument("--eval-ks", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--device", default="cpu")
     return p

@@ -36,7 +36,9 @@ def _read_text(path: Path, strict: bool) -> str | None:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         if strict:
-            raise ValueError(f"--data {str(path)!r} is not UTF-8 text; pass text files, a folder or a JSONL file.") from None
+            raise ValueError(
+                f"--data {str(path)!r} is not UTF-8 text; pass text files, a folder or a JSONL file."
+            ) from None
         return None
 
 
@@ -77,7 +79,7 @@ def _jsonl(path: Path, tokenizer) -> list[str]:
                 texts.append("".join(f"{t['role']}: {t['content']}\n" for t in turns))
         else:
             raise ValueError(
-                f"{where}: expected a string, an object with \"text\", or an object with \"messages\" "
+                f'{where}: expected a string, an object with "text", or an object with "messages" '
                 f"(a list of role/content turns)."
             )
     return texts

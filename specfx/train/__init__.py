@@ -37,6 +37,8 @@ from pathlib import Path
 
 import torch
 
+from ..models.train_pair import load_checkpoint as pair_load
+from ..models.train_pair import save_checkpoint as pair_save
 from .data import Windows, load_texts, streams
 from .heads import HEADS, Eagle3Train, EagleTrain, MedusaTrain, TrainHead
 
@@ -117,39 +119,13 @@ def target_pass(runner, ids: torch.Tensor, taps) -> tuple[torch.Tensor, tuple[to
 
 # ----------------------------------------------------------------------------- checkpoints
 def save_checkpoint(ckpt: Path, step: int, head: TrainHead, opt, history: list) -> None:
-    from safetensors.torch import save_file
-
-    tensors = {f"head.{n}": p.detach().contiguous().cpu() for n, p in head.module.named_parameters()}
-    for i, state in opt.state_dict()["state"].items():
-        for key in ("exp_avg", "exp_avg_sq", "step"):
-            tensors[f"opt.{i}.{key}"] = torch.as_tensor(state[key]).detach().contiguous().cpu()
-    ckpt.mkdir(parents=True, exist_ok=True)
-    tmp = ckpt / "state.safetensors.tmp"
-    save_file(tensors, str(tmp))
-    tmp.replace(ckpt / "state.safetensors")
-    (ckpt / "meta.json").write_text(json.dumps({"step": step, "history": history}))
+    """The head's parameters and optimizer moments, safetensors + meta.json (the demo pair's
+    trainer's format, one role named ``head``)."""
+    pair_save(ckpt, step, {"head": head.module}, {"head": opt}, history)
 
 
 def load_checkpoint(ckpt: Path, head: TrainHead, opt) -> tuple[int, list]:
-    from safetensors.torch import load_file
-
-    meta = json.loads((ckpt / "meta.json").read_text())
-    tensors = load_file(str(ckpt / "state.safetensors"))
-    params = dict(head.module.named_parameters())
-    saved = {k[5:] for k in tensors if k.startswith("head.")}
-    if saved != set(params):
-        raise ValueError(
-            f"checkpoint {ckpt} does not match the head: it has {sorted(saved)[:4]}..., expected {sorted(params)[:4]}..."
-        )
-    with torch.no_grad():
-        for n, p in params.items():
-            p.copy_(tensors[f"head.{n}"])
-    sd = opt.state_dict()
-    for i in range(len(params)):
-        if f"opt.{i}.exp_avg" in tensors:
-            sd["state"][i] = {k: tensors[f"opt.{i}.{k}"].to(p.device) for k in ("exp_avg", "exp_avg_sq", "step")}
-    opt.load_state_dict(sd)
-    return meta["step"], meta["history"]
+    return pair_load(ckpt, {"head": head.module}, {"head": opt})
 
 
 # ----------------------------------------------------------------------------- evaluation

@@ -84,6 +84,14 @@ def test_train_is_deterministic_and_resumes_exactly(one_thread, tiny_dir, corpus
         assert torch.equal(a[k], c[k]), k
     ha, hc = (json.loads((tmp_path / r / "ckpt" / "meta.json").read_text())["history"] for r in "ac")
     assert [h["loss"] for h in ha] == [h["loss"] for h in hc]
+    # with cached features: computed once, reused by the resumed run, the same result as uninterrupted
+    cached = (*common, "--cache-features")
+    assert main(args(tiny_dir, "eagle", corpus, tmp_path / "d", "--steps", "4", *cached)) == 0
+    assert main(args(tiny_dir, "eagle", corpus, tmp_path / "e", "--steps", "2", *cached)) == 0
+    assert main(args(tiny_dir, "eagle", corpus, tmp_path / "e", "--steps", "4", "--resume", *cached)) == 0
+    d, e = (load_file(str(tmp_path / r / "ckpt" / "state.safetensors")) for r in "de")
+    assert all(torch.equal(d[k], e[k]) for k in d) and set(d) == set(e)
+    assert (tmp_path / "e" / "features" / "meta.json").exists()
 
 
 def test_train_refuses_bad_arguments(one_thread, tiny_dir, corpus, tmp_path, capsys):
@@ -156,3 +164,34 @@ def test_head_loss_falls_on_real_text(one_thread, tmp_path):
     last = sum(h["loss"] for h in history[-5:]) / 5
     assert last < 0.85 * first, (first, last)
     assert history[-1]["heldout_acc"] > 0.05
+
+
+def test_feature_cache_matches_the_target_and_is_reused(one_thread, tmp_path):
+    import numpy as np
+
+    from specfx.runner import ModelRunner
+    from specfx.train import target_pass
+    from specfx.train.cache import FeatureCache
+
+    model = tiny_causal_lm("llama", vocab_size=128, num_layers=2)
+    runner = ModelRunner(model, "target")
+    runner.allocate(2, 17)
+    stream = np.random.default_rng(0).integers(0, 128, size=16 * 70 + 5).astype(np.int32)
+    taps = ("layer:1", "last")
+
+    def make():
+        return FeatureCache(tmp_path / "f", runner, stream, 16, 2, 0, taps, target_pass)
+
+    assert make().build() is True
+    cache = make()
+    assert cache.build() is False  # the shards on disk match: reused
+    ids, logits, features = cache.at(5)
+    ref_logits, ref_features = target_pass(runner, ids, taps)
+    assert torch.allclose(logits, ref_logits, atol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(features, ref_features, strict=True))
+
+    soft = tiny_causal_lm("gemma2", vocab_size=128, num_layers=2, final_logit_softcapping=0.5)
+    soft_runner = ModelRunner(soft, "target")
+    soft_runner.allocate(2, 17)
+    with pytest.raises(ValueError, match="soft-caps"):
+        FeatureCache(tmp_path / "g", soft_runner, stream, 16, 2, 0, ("final",), target_pass).build()

@@ -13,7 +13,8 @@ Steps, each deterministic for a given ``--seed``:
    tokens from a generator seeded with ``(seed, step)``.
 2. **Features**: the target (loaded safetensors-only, eval mode, never trained) runs each window
    through :meth:`specfx.runner.ModelRunner.forward` with the head's taps, under ``no_grad``:
-   the logits and hidden states the head will see in a round, computed on the fly.
+   the logits and hidden states the head will see in a round, computed on the fly, or once into
+   safetensors shards with ``--cache-features`` (:mod:`specfx.train.cache`) for several epochs.
 3. **Heads and losses** (:mod:`specfx.train.heads`): the drafter classes' own modules, trained
    with AdamW (warm-up then cosine decay to 10 %, gradient clipping at 1).
 4. **Checkpoints**: every ``--ckpt-every`` steps (and at the end) the head's parameters and the
@@ -39,6 +40,7 @@ import torch
 
 from ..models.train_pair import load_checkpoint as pair_load
 from ..models.train_pair import save_checkpoint as pair_save
+from .cache import FeatureCache
 from .data import Windows, load_texts, streams
 from .heads import HEADS, Eagle3Train, EagleTrain, MedusaTrain, TrainHead
 
@@ -72,6 +74,7 @@ class TrainConfig:
     eval_prompt_len: int = 64
     eval_new_tokens: int = 48
     eval_ks: list[int] = field(default_factory=lambda: [2, 4, 8])
+    cache_features: bool = False
     device: str = "cpu"
 
     def check(self) -> None:
@@ -229,6 +232,14 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
         step, history = load_checkpoint(ckpt, head, opt)
         log(f"resumed from step {step}")
     windows = Windows(train_ids, cfg.seq_len, cfg.batch_size, cfg.seed)
+    cache = None
+    if cfg.cache_features:
+        cache = FeatureCache(
+            out / "features", runner, train_ids, cfg.seq_len, cfg.batch_size, cfg.seed, head.taps, target_pass
+        )
+        with tqdm(total=len(cache.windows), desc="caching target features", unit="window", leave=False) as cbar:
+            if not cache.build(cbar.update):
+                log(f"reusing the cached target features in {out / 'features'}")
     held = Windows(held_ids, cfg.seq_len, cfg.batch_size, cfg.seed).fixed(cfg.eval_batches)
     n_params = sum(p.numel() for p in params)
     log(f"specfx train: {cfg.head} head, {n_params / 1e6:.2f} M trained parameters, {len(train_ids)} training / "
@@ -237,8 +248,11 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
     bar = tqdm(total=cfg.steps, initial=step, desc=f"training {cfg.head}", unit="step", dynamic_ncols=True)
     held_acc = float("nan")
     while step < cfg.steps:
-        ids = windows.at(step).to(runner.device)
-        logits, features = target_pass(runner, ids, head.taps)
+        if cache is not None:
+            ids, logits, features = cache.at(step)
+        else:
+            ids = windows.at(step).to(runner.device)
+            logits, features = target_pass(runner, ids, head.taps)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         loss, acc = head.loss(ids, features, logits)
@@ -300,6 +314,11 @@ def parser() -> argparse.ArgumentParser:
         help="EAGLE-3 from scratch: draft vocabulary (default min(V, 32000))",
     )
     p.add_argument("--eval-ks", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument(
+        "--cache-features",
+        action="store_true",
+        help="compute the target's features once into OUT/features (safetensors shards) and reuse them",
+    )
     p.add_argument("--device", default="cpu")
     return p
 

@@ -195,3 +195,64 @@ def test_feature_cache_matches_the_target_and_is_reused(one_thread, tmp_path):
     soft_runner.allocate(2, 17)
     with pytest.raises(ValueError, match="soft-caps"):
         FeatureCache(tmp_path / "g", soft_runner, stream, 16, 2, 0, ("final",), target_pass).build()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_training_forwards_are_the_round_forwards(one_thread, arch):
+    """Each head's teacher-forced training forward computes what the drafter computes in a
+    round (its own forward over its KV cache), and training never touches the target."""
+    import numpy as np
+
+    from specfx.runner import ModelRunner
+    from specfx.train import target_pass
+    from specfx.train.heads import Eagle3Train, EagleTrain, MedusaTrain
+
+    def close(a, b):  # the same computation in another order: float32 rounding only
+        return torch.allclose(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max()))
+
+    model = tiny_causal_lm(arch, vocab_size=128, num_layers=2)
+    runner = ModelRunner(model, "target")
+    runner.allocate(2, 16)  # the heads' caches below share the capacity, as in a round
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(1, 12).expand(2, -1)
+
+    eagle = EagleTrain(runner, None, seed=0)
+    logits, (f,) = target_pass(runner, ids, eagle.taps)
+    head = eagle.drafter
+    head.allocate(2, 16)
+    with torch.no_grad():
+        ref = head._entry(ids[:, 1:], f[:, :-1], pos, pos, None)
+    assert close(eagle.entries(ids, f), ref)
+
+    stream = np.arange(128, dtype=np.int32)
+    e3 = Eagle3Train(runner, None, seed=0, draft_vocab_size=64, stream=stream, ttt_steps=2)
+    logits, features = target_pass(runner, ids, e3.taps)
+    d = e3.drafter
+    d.allocate(2, 16)
+    outs = dict(e3.unroll(ids, features))
+    with torch.no_grad():
+        fused = d._feature(features)
+        ref0 = d._entry(ids[:, 1:], fused[:, :-1], pos, pos, None)  # every committed entry
+        assert close(outs[0], ref0)
+        # draft depth 1 after committing positions 1..5: token x_6 with step 0's output at 5
+        d._entry(ids[:, 1:6], fused[:, :5], pos[:, :5], pos[:, :5], None)
+        six = torch.full((2, 1), 6)
+        ref1 = d._entry(ids[:, 6:7], ref0[:, 4:5], six, six, None)
+    assert close(outs[1][:, 5:6], ref1)
+
+    medusa = MedusaTrain(runner, None, num_heads=3, num_layers=1, seed=0)
+    with torch.no_grad():
+        for p in medusa.module.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)) * 0.05)
+    logits, (f,) = target_pass(runner, ids, medusa.taps)
+    m = medusa.module
+    from specfx.models.medusa import Medusa as M
+
+    heads = M.from_weights(m.weight.detach(), m.bias.detach(), m.lm_head.detach())
+    heads.bind(runner)
+    assert close(medusa.logits(f)[:, 7], heads.head_logits(f[:, 7], 3))
+
+    for trainer in (eagle, e3, medusa):
+        logits, feats = target_pass(runner, ids, trainer.taps)
+        trainer.loss(ids, feats, logits)[0].backward()
+    assert all(p.grad is None for p in model.parameters())

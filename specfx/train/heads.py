@@ -139,19 +139,27 @@ class EagleTrain(_EagleCommon):
         self.module = nn.ModuleDict({"fc": head.fc, "layer": head.layer})
         self.drafter, self.taps = head, head.taps
 
-    def loss(self, ids, features, logits):
+    def entries(self, ids: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+        """The entries at positions ``1 .. T-1`` of windows ``ids [B, T]`` with the target's
+        features ``f [B, T, H]``, teacher-forced: ``[B, T-1, H]``, the predictions of ``f_1 .. f_{T-1}``."""
         head = self.drafter
-        f = features[0]
         tokens, pos = self.entry_inputs(ids)
-        embeds = F.embedding(tokens, head.embed.weight.detach()).to(f.dtype)
+        with torch.no_grad():  # the target's embedding module as the round calls it (Gemma scales it), not trained
+            embeds = head.embed(tokens).to(f.dtype)
         x = head.fc(torch.cat([embeds, f[:, :-1]], dim=-1))  # [B, T-1, H]
         kwargs = {"layer_type": head.layer_type} if head.per_layer_rope else {}
         rope = head.rotary(x, pos, **kwargs)
         n = pos.shape[1]
         mask = to_format(visible_slots(pos - 1, n, head.pattern), head.mask_format, x.dtype)  # keys: positions 1..T-1
         out = head.layer(x, attention_mask=mask, position_ids=pos, past_key_values=None, position_embeddings=rope)
-        out = out[0] if isinstance(out, tuple) else out  # [B, T-1, H]: predicts f_1 .. f_{T-1}
-        draft = F.linear(out, head.lm_head.weight.detach())
+        return out[0] if isinstance(out, tuple) else out
+
+    def loss(self, ids, features, logits):
+        head = self.drafter
+        f = features[0]
+        out = self.entries(ids, f)
+        lm = head.lm_head  # the target's, read detached (its .grad never touched)
+        draft = F.linear(out, lm.weight.detach(), lm.bias.detach() if getattr(lm, "bias", None) is not None else None)
         z = logits[:, 1:]
         loss = F.smooth_l1_loss(out.float(), f[:, 1:].float()) + 0.1 * soft_ce(draft, z)
         acc = (draft.argmax(-1) == z.argmax(-1)).float().mean().item()
@@ -216,24 +224,30 @@ class Eagle3Train(_EagleCommon):
         self.drafter, self.taps, self.steps = head, head.taps, ttt_steps
         self.draft_ids = h.target_ids()  # [V_draft]
 
-    def loss(self, ids, features, logits):
-        head = self.drafter
-        h = head.head
+    def unroll(self, ids: torch.Tensor, features):
+        """The training-time test over windows ``ids [B, T]``: yields ``(k, out [B, T-1, H])``
+        for steps ``k = 0 .. ttt_steps - 1`` (index i is position i + 1; from step k on, the
+        first k entries have no draft path and are not scored)."""
+        h = self.drafter.head
         tokens, pos = self.entry_inputs(ids)
         fused = h.fc(torch.cat(features, dim=-1).to(h.fc.weight.dtype))  # [B, T, H]
-        emb = F.embedding(tokens, head.embed_weight.detach()).to(fused.dtype)  # [B, T-1, H]
+        emb = F.embedding(tokens, self.drafter.embed_weight.detach()).to(fused.dtype)  # [B, T-1, H], raw lookup
         rope = h.rotary_emb(fused, pos)
-        z = logits[:, 1:].index_select(-1, self.draft_ids)  # target's distribution over the draft vocabulary
-        target_top = logits[:, 1:].argmax(-1)
-        kv, feature, total, n = _StepKV(), fused[:, :-1], 0.0, pos.shape[1]
-        acc = 0.0
+        kv, feature, n = _StepKV(), fused[:, :-1], pos.shape[1]
         for k in range(min(self.steps, n)):
             out = h.midlayer(emb, feature, rope, ttt_mask(n, k, ids.device), kv)  # [B, T-1, H]
+            yield k, out
+            feature = torch.cat([out[:, :1], out[:, :-1]], dim=1)  # step k+1 at t reads step k's output at t-1
+
+    def loss(self, ids, features, logits):
+        h = self.drafter.head
+        z = logits[:, 1:].index_select(-1, self.draft_ids)  # target's distribution over the draft vocabulary
+        total, acc = 0.0, 0.0
+        for k, out in self.unroll(ids, features):
             draft = h.lm_head(h.norm(out))[:, k:]  # the first k positions have no step-k entry
             total = total + 0.8**k * soft_ce(draft, z[:, k:])
             if k == 0:
-                acc = (self.draft_ids[draft.argmax(-1)] == target_top).float().mean().item()
-            feature = torch.cat([out[:, :1], out[:, :-1]], dim=1)  # step k+1 at t reads step k's output at t-1
+                acc = (self.draft_ids[draft.argmax(-1)] == logits[:, 1:].argmax(-1)).float().mean().item()
         return total, acc
 
 

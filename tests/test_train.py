@@ -23,7 +23,7 @@ from specfx.train.heads import draft_vocabulary, ttt_mask
 
 DEMO_TARGET = Path(__file__).resolve().parents[1] / "specfx" / "models" / "demo_pair" / "target"
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
-CLASSES = {"medusa": Medusa, "eagle": Eagle, "eagle3": Eagle3}
+CLASSES = {"medusa": Medusa, "eagle": Eagle, "eagle3": Eagle3, "draft": load_causal_lm}
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def args(target, head, data, out, *extra):
             "--seq-len", "32", "--eval-prompt-len", "16", "--eval-new-tokens", "8", *extra]  # fmt: skip
 
 
-@pytest.mark.parametrize("head", ["medusa", "eagle", "eagle3"])
+@pytest.mark.parametrize("head", ["medusa", "eagle", "eagle3", "draft"])
 def test_train_end_to_end(one_thread, tiny_dir, corpus, tmp_path, head):
     out = tmp_path / "run"
     rc = cli_main(["train", *args(tiny_dir, head, corpus, out, "--steps", "3", "--ckpt-every", "2",
@@ -96,8 +96,8 @@ def test_train_is_deterministic_and_resumes_exactly(one_thread, tiny_dir, corpus
 
 def test_train_refuses_bad_arguments(one_thread, tiny_dir, corpus, tmp_path, capsys):
     out = tmp_path / "run"
-    assert main(args(tiny_dir, "draft", corpus, out)) == 2
-    assert "--head draft" in capsys.readouterr().err
+    assert main(args(tiny_dir, "eagle", corpus, out, "--steps", "0")) == 2
+    assert "--steps must be >= 1" in capsys.readouterr().err
     assert main(args(tmp_path / "missing", "eagle", corpus, out)) == 2
     assert "not an existing local directory" in capsys.readouterr().err
     assert main(args(tiny_dir, "eagle", tmp_path / "nodata", out)) == 2

@@ -42,7 +42,7 @@ from ..models.train_pair import load_checkpoint as pair_load
 from ..models.train_pair import save_checkpoint as pair_save
 from .cache import FeatureCache
 from .data import Windows, load_texts, streams
-from .heads import HEADS, Eagle3Train, EagleTrain, MedusaTrain, TrainHead
+from .heads import HEADS, DraftTrain, Eagle3Train, EagleTrain, MedusaTrain, TrainHead
 
 __all__ = ["TrainConfig", "train", "main"]
 
@@ -70,6 +70,8 @@ class TrainConfig:
     medusa_layers: int = 1
     draft_vocab_size: int | None = None
     ttt_steps: int = 3
+    draft_layers: int = 2
+    draft_hidden: int = 128
     eval_prompts: int = 4
     eval_prompt_len: int = 64
     eval_new_tokens: int = 48
@@ -80,12 +82,7 @@ class TrainConfig:
     def check(self) -> None:
         if self.head not in HEADS:
             raise ValueError(f"--head {self.head!r}: choose one of {', '.join(HEADS)}.")
-        if self.head == "draft":
-            raise ValueError(
-                "--head draft (training a separate small draft model) is not implemented yet; train a head "
-                "(eagle3, eagle, medusa), or train a draft model with python -m specfx.models.train_pair."
-            )
-        for name in ("steps", "batch_size", "ckpt_every", "medusa_heads", "ttt_steps", "eval_batches"):
+        for name in ("steps", "batch_size", "ckpt_every", "medusa_heads", "ttt_steps", "eval_batches", "draft_layers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}.")
         if self.seq_len < 4:
@@ -103,7 +100,9 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(t, 1.0))))
 
 
-def build_head(cfg: TrainConfig, runner, stream) -> TrainHead:
+def build_head(cfg: TrainConfig, runner, stream, tokenizer) -> TrainHead:
+    if cfg.head == "draft":
+        return DraftTrain(runner, cfg.init, cfg.seed, cfg.draft_layers, cfg.draft_hidden, tokenizer)
     if cfg.head == "medusa":
         return MedusaTrain(runner, cfg.init, cfg.medusa_heads, cfg.medusa_layers, cfg.seed)
     if cfg.head == "eagle":
@@ -116,6 +115,8 @@ def target_pass(runner, ids: torch.Tensor, taps) -> tuple[torch.Tensor, tuple[to
     b, t = ids.shape
     pos = torch.arange(t, device=runner.device).expand(b, -1)
     with torch.no_grad():
+        if not taps:  # a draft model reads only the target's logits
+            return runner.forward(ids.to(runner.device), pos, pos).detach(), ()
         logits, features = runner.forward(ids.to(runner.device), pos, pos, taps=taps)
     return logits.detach(), tuple(f.detach() for f in features)
 
@@ -149,18 +150,26 @@ def evaluate(cfg: TrainConfig, model, head_dir: Path, kind: str, held) -> dict:
     import specfx
     from specfx.models.eagle import Eagle
     from specfx.models.eagle3 import Eagle3
+    from specfx.models.local import load_causal_lm
     from specfx.models.medusa import Medusa
 
-    cls = {"medusa": Medusa, "eagle": Eagle, "eagle3": Eagle3}[kind]
+    cls = {
+        "medusa": Medusa,
+        "eagle": Eagle,
+        "eagle3": Eagle3,
+        "draft": lambda d: load_causal_lm(d, device=model.device),
+    }[kind]
     n, length = cfg.eval_prompts, cfg.eval_prompt_len
     starts = torch.linspace(0, len(held) - length, n).long().tolist()
     prompts = [torch.from_numpy(held[s : s + length].astype("int64")).view(1, -1).to(model.device) for s in starts]
     settings: dict[str, dict] = {}
     for k in cfg.eval_ks:
         settings[f"K={k}"] = {"num_speculative_tokens": k}
-    settings["tree"] = {
-        "tree": specfx.TokenTree.medusa(budget=16) if kind == "medusa" else specfx.TokenTree.eagle2(budget=16)
+    trees = {
+        "medusa": specfx.TokenTree.medusa(budget=16),
+        "draft": specfx.TokenTree.topk(depth=4, branching=2, budget=16),
     }
+    settings["tree"] = {"tree": trees.get(kind) or specfx.TokenTree.eagle2(budget=16)}
     results = {}
     for name, kw in settings.items():
         try:
@@ -219,7 +228,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
     model = load_causal_lm(cfg.target, device=cfg.device)
     runner = ModelRunner(model, "target")
     runner.allocate(cfg.batch_size, cfg.seq_len + 1)
-    head = build_head(cfg, runner, train_ids)
+    head = build_head(cfg, runner, train_ids, tokenizer)
     params = list(head.module.parameters())
     decay = [p for p in params if p.ndim >= 2]
     other = [p for p in params if p.ndim < 2]
@@ -305,6 +314,8 @@ def parser() -> argparse.ArgumentParser:
                  "warmup"):  # fmt: skip
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
     p.add_argument("--batch", dest="batch_size", type=int, default=argparse.SUPPRESS, help="alias of --batch-size")
+    p.add_argument("--draft-layers", type=int, default=defaults.draft_layers, help="--head draft: decoder layers")
+    p.add_argument("--draft-hidden", type=int, default=defaults.draft_hidden, help="--head draft: hidden size")
     p.add_argument("--lr", type=float, default=defaults.lr)
     p.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
     p.add_argument(

@@ -23,6 +23,7 @@ Notation: a window holds tokens ``x_0 .. x_{T-1}``; the target's forward over it
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +37,7 @@ from ..models.eagle3 import Eagle3
 from ..models.medusa import Medusa
 from ..runner import ModelRunner
 
-__all__ = ["HEADS", "TrainHead", "MedusaTrain", "EagleTrain", "Eagle3Train"]
+__all__ = ["HEADS", "TrainHead", "MedusaTrain", "EagleTrain", "Eagle3Train", "DraftTrain"]
 
 
 def soft_ce(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
@@ -249,6 +250,50 @@ class Eagle3Train(_EagleCommon):
             if k == 0:
                 acc = (self.draft_ids[draft.argmax(-1)] == logits[:, 1:].argmax(-1)).float().mean().item()
         return total, acc
+
+
+class DraftTrain(TrainHead):
+    """A separate small draft model (``--head draft``): a Llama-style causal LM over the
+    target's vocabulary, distilled from the target (cross-entropy against its distribution at
+    every position, i.e. KL up to a constant). Reads no taps; saved with ``save_pretrained``
+    and the target's tokenizer, so ``speculate(target, draft=load(OUT/head))`` runs it."""
+
+    kind = "draft"
+    taps: tuple[str, ...] = ()
+
+    def __init__(self, runner: ModelRunner, init: str | None, seed: int, layers: int, hidden: int, tokenizer):
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from ..models.local import load_causal_lm
+
+        model = runner.model
+        if init is not None:
+            draft = load_causal_lm(init, device=runner.device)
+        else:
+            tc = model.config.get_text_config()
+            heads = max(1, hidden // 64)
+            config = LlamaConfig(
+                vocab_size=runner.vocab_size, hidden_size=hidden, intermediate_size=int(round(2.75 * hidden / 32)) * 32,
+                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                max_position_embeddings=getattr(tc, "max_position_embeddings", 2048), tie_word_embeddings=True,
+                bos_token_id=tc.bos_token_id, eos_token_id=tc.eos_token_id, pad_token_id=tc.pad_token_id,
+            )  # fmt: skip
+            torch.manual_seed(seed)
+            draft = LlamaForCausalLM(config).to(runner.device)
+            draft.generation_config = copy.deepcopy(model.generation_config)
+        self.module = draft.train()
+        self.drafter, self.tokenizer = draft, tokenizer
+
+    def loss(self, ids, features, logits):
+        out = self.module(input_ids=ids).logits  # [B, T, V]
+        return soft_ce(out, logits), (out.argmax(-1) == logits.argmax(-1)).float().mean().item()
+
+    def save(self, path):
+        path = Path(path)
+        self.module.save_pretrained(path)
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(path)
+        return path
 
 
 HEADS = ("medusa", "eagle", "eagle3", "draft")

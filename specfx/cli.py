@@ -21,7 +21,7 @@ DESCRIPTION = (
     "specfx/models/demo_pair/MODEL_CARD.md), marks the drafted-and-accepted tokens, times HF "
     "generate(), HF assisted generation and specfx on the same prompts, checks that specfx's "
     "greedy output is identical to HF's, and writes a plot. specfx bench is the benchmark "
-    "(specfx bench --help); specfx train trains a Medusa, EAGLE or EAGLE-3 head for your own target "
+    "(specfx bench --help); specfx train trains a Medusa, EAGLE or EAGLE-3 head or a draft model for your own target "
     "(specfx train --help)."
 )
 

@@ -1,4 +1,4 @@
-"""``specfx train``: train a Medusa, EAGLE or EAGLE-3 head for your own target.
+"""``specfx train``: train a Medusa, EAGLE or EAGLE-3 head (or a small draft model) for your own target.
 
 Usage::
 

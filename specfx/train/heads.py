@@ -19,6 +19,8 @@ Notation: a window holds tokens ``x_0 .. x_{T-1}``; the target's forward over it
   ``t - k`` and to the entries of steps ``1..k`` along their own diagonal. Each step's loss is
   the cross-entropy against the target's distribution restricted to the draft vocabulary,
   weighted ``0.8**k``.
+* **draft** (``--head draft``): a separate small causal LM, cross-entropy against ``softmax(z_t)``
+  at every position (distillation; KL up to a constant).
 """
 
 from __future__ import annotations

@@ -71,11 +71,11 @@ def test_train_end_to_end(one_thread, tiny_dir, corpus, tmp_path, head):
 
 
 def test_train_is_deterministic_and_resumes_exactly(one_thread, tiny_dir, corpus, tmp_path):
-    common = ("--eval-prompts", "0", "--ckpt-every", "2")
+    common = ("--eval-prompts", "0", "--ckpt-every", "2", "--warmup", "1")  # the cosine schedule matters
     assert main(args(tiny_dir, "eagle3", corpus, tmp_path / "a", "--steps", "4", *common)) == 0
     assert main(args(tiny_dir, "eagle3", corpus, tmp_path / "b", "--steps", "4", *common)) == 0
     # interrupted after 2 steps, then resumed to 4
-    assert main(args(tiny_dir, "eagle3", corpus, tmp_path / "c", "--steps", "2", *common)) == 0
+    assert main(args(tiny_dir, "eagle3", corpus, tmp_path / "c", "--steps", "4", "--stop-after", "2", *common)) == 0
     assert main(args(tiny_dir, "eagle3", corpus, tmp_path / "c", "--steps", "4", "--resume", *common)) == 0
     a, b, c = (load_file(str(tmp_path / r / "ckpt" / "state.safetensors")) for r in "abc")
     assert set(a) == set(b) == set(c) and any(k.startswith("head.opt.") for k in a)
@@ -87,7 +87,7 @@ def test_train_is_deterministic_and_resumes_exactly(one_thread, tiny_dir, corpus
     # with cached features: computed once, reused by the resumed run, the same result as uninterrupted
     cached = (*common, "--cache-features")
     assert main(args(tiny_dir, "eagle", corpus, tmp_path / "d", "--steps", "4", *cached)) == 0
-    assert main(args(tiny_dir, "eagle", corpus, tmp_path / "e", "--steps", "2", *cached)) == 0
+    assert main(args(tiny_dir, "eagle", corpus, tmp_path / "e", "--steps", "4", "--stop-after", "2", *cached)) == 0
     assert main(args(tiny_dir, "eagle", corpus, tmp_path / "e", "--steps", "4", "--resume", *cached)) == 0
     d, e = (load_file(str(tmp_path / r / "ckpt" / "state.safetensors")) for r in "de")
     assert all(torch.equal(d[k], e[k]) for k in d) and set(d) == set(e)

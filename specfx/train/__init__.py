@@ -19,7 +19,8 @@ Steps, each deterministic for a given ``--seed``:
    with AdamW (warm-up then cosine decay to 10 %, gradient clipping at 1).
 4. **Checkpoints**: every ``--ckpt-every`` steps (and at the end) the head's parameters and the
    optimizer moments go to ``OUT/ckpt/state.safetensors`` with ``OUT/ckpt/meta.json`` (nothing
-   is pickled); ``--resume`` continues from there exactly (same batches, same moments).
+   is pickled); ``--resume`` continues from there exactly (same batches, same moments; the
+   learning-rate schedule is the one for ``--steps``, so stop a run early with ``--stop-after``).
 5. **Output**: ``OUT/head/`` in the head's public layout (its ``save()``), loadable with
    ``specfx.Medusa/Eagle/Eagle3(OUT/head)`` or ``draft="eagle3:OUT/head"``; ``OUT/eval.json``
    with held-out greedy τ and acceptance per depth at K = 2, 4, 8 and for a tree, measured by
@@ -77,6 +78,7 @@ class TrainConfig:
     eval_new_tokens: int = 48
     eval_ks: list[int] = field(default_factory=lambda: [2, 4, 8])
     cache_features: bool = False
+    stop_after: int | None = None
     device: str = "cpu"
 
     def check(self) -> None:
@@ -91,6 +93,21 @@ class TrainConfig:
             raise ValueError(f"--lr must be > 0, got {self.lr}.")
         if not 0 < self.heldout_permille < 1000:
             raise ValueError(f"--heldout-permille must be in 1..999, got {self.heldout_permille}.")
+
+
+# Options a --resume may change: evaluation, checkpointing and the device, and --steps (extending
+# a run; the learning-rate schedule then follows the new value: stop early with --stop-after instead).
+FREE = (
+    "steps",
+    "stop_after",
+    "ckpt_every",
+    "device",
+    "eval_batches",
+    "eval_prompts",
+    "eval_prompt_len",
+    "eval_new_tokens",
+    "eval_ks",
+)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -207,8 +224,8 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
             raise ValueError(
                 f"--out {str(out)!r} already holds a training checkpoint: pass --resume to continue it, or a new --out."
             )
-        fixed = {k: v for k, v in json.loads(cfg_path.read_text()).items() if k not in ("steps", "ckpt_every")}
-        mine = {k: v for k, v in asdict(cfg).items() if k not in ("steps", "ckpt_every")}
+        fixed = {k: v for k, v in json.loads(cfg_path.read_text()).items() if k not in FREE}
+        mine = {k: v for k, v in asdict(cfg).items() if k not in FREE}
         if fixed != mine:
             diff = sorted(k for k in mine if fixed.get(k) != mine[k])
             raise ValueError(f"--resume: {', '.join(diff)} differ from the run in {str(out)!r}; pass the same options.")
@@ -256,7 +273,8 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
     started = time.perf_counter()
     bar = tqdm(total=cfg.steps, initial=step, desc=f"training {cfg.head}", unit="step", dynamic_ncols=True)
     held_acc = float("nan")
-    while step < cfg.steps:
+    end = cfg.steps if cfg.stop_after is None else min(cfg.steps, cfg.stop_after)
+    while step < end:
         if cache is not None:
             ids, logits, features = cache.at(step)
         else:
@@ -271,7 +289,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
         opt.step()
         step += 1
         record = {"step": step, "loss": round(loss.item(), 6), "acc": round(acc, 4)}
-        if step % cfg.ckpt_every == 0 or step == cfg.steps:
+        if step % cfg.ckpt_every == 0 or step == end:
             held_loss, held_acc = heldout_metrics(head, runner, held)
             record.update(heldout_loss=round(held_loss, 6), heldout_acc=round(held_acc, 4))
             history.append(record)
@@ -287,7 +305,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
     summary = {
         "head": cfg.head, "head_dir": str(head_dir), "steps": step, "train_seconds_this_run": round(seconds, 1),
         "final": history[-1] if history else None,
-        "eval": evaluate(cfg, model, head_dir, cfg.head, held_ids) if cfg.eval_prompts > 0 else {},
+        "eval": evaluate(cfg, model, head_dir, cfg.head, held_ids) if cfg.eval_prompts > 0 and step == cfg.steps else {},
     }  # fmt: skip
     (out / "eval.json").write_text(json.dumps(summary, indent=1))
     for name, r in summary["eval"].items():
@@ -325,6 +343,12 @@ def parser() -> argparse.ArgumentParser:
         help="EAGLE-3 from scratch: draft vocabulary (default min(V, 32000))",
     )
     p.add_argument("--eval-ks", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument(
+        "--stop-after",
+        type=int,
+        default=None,
+        help="end this run at that step, checkpointed (the schedule is still --steps'); --resume continues it",
+    )
     p.add_argument(
         "--cache-features",
         action="store_true",

@@ -126,6 +126,8 @@ def test_jsonl_chat_turns_and_texts(tmp_path):
             return "|".join(t["role"] + "=" + t["content"] for t in turns)
 
     assert load_texts([f], Templated())[2] == "user=hi|assistant=yo"
+    (tmp_path / "notes.txt").write_text("free text")
+    assert load_texts([tmp_path]) == ["plain", "t", "user: hi\nassistant: yo\n", "user: q\n", "free text"]
     f.write_text('{"other": 1}')
     with pytest.raises(ValueError, match="line 1"):
         load_texts([f])

@@ -6,7 +6,7 @@ Inputs (``--data``, repeatable):
 
 * a text file: one document (any suffix except ``.jsonl``; a file that is not UTF-8 is refused);
 * a folder: every regular file under it, recursively, sorted by path, that decodes as UTF-8
-  (others skipped: images, caches);
+  (others skipped: images, caches), ``.jsonl`` files there read as below;
 * a ``.jsonl`` file: one JSON value per line, either a string, an object with ``"text"``, or an
   object with ``"messages"`` / ``"conversations"`` (a list of ``{"role", "content"}`` turns,
   ShareGPT's ``{"from", "value"}`` accepted), rendered with the tokenizer's chat template when
@@ -93,8 +93,12 @@ def load_texts(paths, tokenizer=None) -> list[str]:
     for raw in paths:
         path = Path(raw).expanduser()
         if path.is_dir():
-            files = sorted(p for p in path.rglob("*") if p.is_file())
-            texts += [t for t in (_read_text(p, strict=False) for p in files) if t]
+            for p in sorted(p for p in path.rglob("*") if p.is_file()):
+                text = _read_text(p, strict=False)
+                if text and p.suffix == ".jsonl":
+                    texts += _jsonl(p, tokenizer)
+                elif text:
+                    texts.append(text)
         elif path.is_file():
             if path.suffix == ".jsonl":
                 texts += _jsonl(path, tokenizer)

@@ -1,4 +1,5 @@
-"""The ``specfx`` command: ``specfx demo`` and ``specfx bench`` (:mod:`specfx.bench`).
+"""The ``specfx`` command: ``specfx demo``, ``specfx bench`` (:mod:`specfx.bench`) and
+``specfx train`` (:mod:`specfx.train`).
 
 The ``--help`` texts are :data:`DESCRIPTION` and the argparse help strings: plain text, since
 argparse prints them as they are.
@@ -20,7 +21,8 @@ DESCRIPTION = (
     "specfx/models/demo_pair/MODEL_CARD.md), marks the drafted-and-accepted tokens, times HF "
     "generate(), HF assisted generation and specfx on the same prompts, checks that specfx's "
     "greedy output is identical to HF's, and writes a plot. specfx bench is the benchmark "
-    "(specfx bench --help)."
+    "(specfx bench --help); specfx train trains a Medusa, EAGLE or EAGLE-3 head or a draft model for your own target "
+    "(specfx train --help)."
 )
 
 ACCEPTED_ON, ACCEPTED_OFF = "\033[1;32m", "\033[0m"  # bold green on a terminal
@@ -187,7 +189,12 @@ def main(argv=None) -> int:
     d.add_argument("--no-color", action="store_true", help="mark accepted tokens with « » even on a terminal")
     d.add_argument("--plot", type=Path, default=Path("specfx_demo.png"), help="where to write the PNG")
     sub.add_parser("bench", help="benchmark specfx against HF (specfx bench --help)", add_help=False)
+    sub.add_parser("train", help="train a head for your target (specfx train --help)", add_help=False)
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["train"]:
+        from specfx.train import main as train_main
+
+        return train_main(argv[1:])
     if argv[:1] == ["bench"]:
         from specfx.bench import main as bench_main
 

@@ -1,0 +1,369 @@
+"""``specfx train``: train a Medusa, EAGLE or EAGLE-3 head (or a small draft model) for your own target.
+
+Usage::
+
+    specfx train --target DIR --head eagle3 --data corpus/ --out runs/head      # or python -m specfx.train
+    specfx train ... --resume                                                   # continue from runs/head/ckpt
+
+Steps, each deterministic for a given ``--seed``:
+
+1. **Data** (:mod:`specfx.train.data`): texts from files, folders or JSONL (chat turns rendered
+   with the target's chat template when it has one), tokenized with the target's tokenizer,
+   split into training and held-out sides by document, and drawn as windows of ``--seq-len``
+   tokens from a generator seeded with ``(seed, step)``.
+2. **Features**: the target (loaded safetensors-only, eval mode, never trained) runs each window
+   through :meth:`specfx.runner.ModelRunner.forward` with the head's taps, under ``no_grad``:
+   the logits and hidden states the head will see in a round, computed on the fly, or once into
+   safetensors shards with ``--cache-features`` (:mod:`specfx.train.cache`) for several epochs.
+3. **Heads and losses** (:mod:`specfx.train.heads`): the drafter classes' own modules, trained
+   with AdamW (warm-up then cosine decay to 10 %, gradient clipping at 1).
+4. **Checkpoints**: every ``--ckpt-every`` steps (and at the end) the head's parameters and the
+   optimizer moments go to ``OUT/ckpt/state.safetensors`` with ``OUT/ckpt/meta.json`` (nothing
+   is pickled); ``--resume`` continues from there exactly (same batches, same moments; the
+   learning-rate schedule is the one for ``--steps``, so stop a run early with ``--stop-after``).
+5. **Output**: ``OUT/head/`` in the head's public layout (its ``save()``), loadable with
+   ``specfx.Medusa/Eagle/Eagle3(OUT/head)`` or ``draft="eagle3:OUT/head"``; ``OUT/eval.json``
+   with held-out greedy τ and acceptance per depth at K = 2, 4, 8 and for a tree, measured by
+   specfx itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..models.train_pair import load_checkpoint as pair_load
+from ..models.train_pair import save_checkpoint as pair_save
+from .cache import FeatureCache
+from .data import Windows, load_texts, streams
+from .heads import HEADS, DraftTrain, Eagle3Train, EagleTrain, MedusaTrain, TrainHead
+
+__all__ = ["TrainConfig", "train", "main"]
+
+
+@dataclass
+class TrainConfig:
+    """Everything that determines a run (``OUT/config.json``)."""
+
+    target: str
+    head: str
+    data: list[str]
+    out: str
+    init: str | None = None
+    steps: int = 200
+    batch_size: int = 8
+    seq_len: int = 256
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup: int = 10
+    seed: int = 0
+    heldout_permille: int = 50
+    eval_batches: int = 2
+    ckpt_every: int = 50
+    medusa_heads: int = 4
+    medusa_layers: int = 1
+    draft_vocab_size: int | None = None
+    ttt_steps: int = 3
+    draft_layers: int = 2
+    draft_hidden: int = 128
+    eval_prompts: int = 4
+    eval_prompt_len: int = 64
+    eval_new_tokens: int = 48
+    eval_ks: list[int] = field(default_factory=lambda: [2, 4, 8])
+    cache_features: bool = False
+    stop_after: int | None = None
+    device: str = "cpu"
+
+    def check(self) -> None:
+        if self.head not in HEADS:
+            raise ValueError(f"--head {self.head!r}: choose one of {', '.join(HEADS)}.")
+        for name in ("steps", "batch_size", "ckpt_every", "medusa_heads", "ttt_steps", "eval_batches", "draft_layers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}.")
+        if self.seq_len < 4:
+            raise ValueError(f"--seq-len must be >= 4, got {self.seq_len}.")
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be > 0, got {self.lr}.")
+        if not 0 < self.heldout_permille < 1000:
+            raise ValueError(f"--heldout-permille must be in 1..999, got {self.heldout_permille}.")
+
+
+# Options a --resume may change: evaluation, checkpointing and the device, and --steps (extending
+# a run; the learning-rate schedule then follows the new value: stop early with --stop-after instead).
+FREE = (
+    "steps",
+    "stop_after",
+    "ckpt_every",
+    "device",
+    "eval_batches",
+    "eval_prompts",
+    "eval_prompt_len",
+    "eval_new_tokens",
+    "eval_ks",
+)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(t, 1.0))))
+
+
+def build_head(cfg: TrainConfig, runner, stream, tokenizer) -> TrainHead:
+    if cfg.head == "draft":
+        return DraftTrain(runner, cfg.init, cfg.seed, cfg.draft_layers, cfg.draft_hidden, tokenizer)
+    if cfg.head == "medusa":
+        return MedusaTrain(runner, cfg.init, cfg.medusa_heads, cfg.medusa_layers, cfg.seed)
+    if cfg.head == "eagle":
+        return EagleTrain(runner, cfg.init, cfg.seed)
+    return Eagle3Train(runner, cfg.init, cfg.seed, cfg.draft_vocab_size, stream, cfg.ttt_steps)
+
+
+def target_pass(runner, ids: torch.Tensor, taps) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """The frozen target over windows ``ids [B, T]``: ``(logits [B, T, V], features)``."""
+    b, t = ids.shape
+    pos = torch.arange(t, device=runner.device).expand(b, -1)
+    with torch.no_grad():
+        if not taps:  # a draft model reads only the target's logits
+            return runner.forward(ids.to(runner.device), pos, pos).detach(), ()
+        logits, features = runner.forward(ids.to(runner.device), pos, pos, taps=taps)
+    return logits.detach(), tuple(f.detach() for f in features)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def save_checkpoint(ckpt: Path, step: int, head: TrainHead, opt, history: list) -> None:
+    """The head's parameters and optimizer moments, safetensors + meta.json (the demo pair's
+    trainer's format, one role named ``head``)."""
+    pair_save(ckpt, step, {"head": head.module}, {"head": opt}, history)
+
+
+def load_checkpoint(ckpt: Path, head: TrainHead, opt) -> tuple[int, list]:
+    return pair_load(ckpt, {"head": head.module}, {"head": opt})
+
+
+# ----------------------------------------------------------------------------- evaluation
+def heldout_metrics(head: TrainHead, runner, batches) -> tuple[float, float]:
+    losses, accs = [], []
+    with torch.no_grad():
+        for ids in batches:
+            logits, features = target_pass(runner, ids, head.taps)
+            loss, acc = head.loss(ids.to(runner.device), features, logits)
+            losses.append(loss.item())
+            accs.append(acc)
+    return sum(losses) / len(losses), sum(accs) / len(accs)
+
+
+def evaluate(cfg: TrainConfig, model, head_dir: Path, kind: str, held) -> dict:
+    """Held-out greedy τ and per-depth acceptance of the saved head, loaded back from
+    ``head_dir`` as ``speculate()`` would, at each K and for a tree."""
+    import specfx
+    from specfx.models.eagle import Eagle
+    from specfx.models.eagle3 import Eagle3
+    from specfx.models.local import load_causal_lm
+    from specfx.models.medusa import Medusa
+
+    cls = {
+        "medusa": Medusa,
+        "eagle": Eagle,
+        "eagle3": Eagle3,
+        "draft": lambda d: load_causal_lm(d, device=model.device),
+    }[kind]
+    n, length = cfg.eval_prompts, cfg.eval_prompt_len
+    starts = torch.linspace(0, len(held) - length, n).long().tolist()
+    prompts = [torch.from_numpy(held[s : s + length].astype("int64")).view(1, -1).to(model.device) for s in starts]
+    settings: dict[str, dict] = {}
+    for k in cfg.eval_ks:
+        settings[f"K={k}"] = {"num_speculative_tokens": k}
+    trees = {
+        "medusa": specfx.TokenTree.medusa(budget=16),
+        "draft": specfx.TokenTree.topk(depth=4, branching=2, budget=16),
+    }
+    settings["tree"] = {"tree": trees.get(kind) or specfx.TokenTree.eagle2(budget=16)}
+    results = {}
+    for name, kw in settings.items():
+        try:
+            spec = specfx.speculate(model, draft=cls(head_dir), compile=False, **kw)
+        except ValueError as e:  # e.g. a K deeper than Medusa's heads
+            results[name] = {"skipped": str(e)}
+            continue
+        for p in prompts:
+            spec.generate(p, max_new_tokens=cfg.eval_new_tokens, do_sample=False)
+        st = spec.cumulative_stats
+        results[name] = {
+            "tau": round(st.tokens_per_round, 4),
+            "acceptance_rate": round(st.acceptance_rate, 4),
+            "per_depth": [round(r, 4) for r in st.per_position_rate],
+        }
+    return results
+
+
+# ----------------------------------------------------------------------------- training
+def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
+    """Train (or, with ``resume``, continue) a head into ``cfg.out``; returns the summary
+    written to ``OUT/eval.json``."""
+    from tqdm.auto import tqdm
+
+    from specfx.models.local import check_model_dir, load_causal_lm, load_tokenizer
+    from specfx.runner import ModelRunner
+
+    cfg.check()
+    check_model_dir(cfg.target)
+    out = Path(cfg.out)
+    ckpt = out / "ckpt"
+    cfg_path = out / "config.json"
+    if (ckpt / "meta.json").exists():
+        if not resume:
+            raise ValueError(
+                f"--out {str(out)!r} already holds a training checkpoint: pass --resume to continue it, or a new --out."
+            )
+        fixed = {k: v for k, v in json.loads(cfg_path.read_text()).items() if k not in FREE}
+        mine = {k: v for k, v in asdict(cfg).items() if k not in FREE}
+        if fixed != mine:
+            diff = sorted(k for k in mine if fixed.get(k) != mine[k])
+            raise ValueError(f"--resume: {', '.join(diff)} differ from the run in {str(out)!r}; pass the same options.")
+    elif resume:
+        raise ValueError(f"--resume: {str(out)!r} holds no checkpoint (ckpt/meta.json) to continue.")
+    tokenizer = load_tokenizer(cfg.target)
+    if tokenizer is None:
+        raise ValueError(
+            f"--target {cfg.target!r} has no tokenizer files; specfx train tokenizes --data with the target's tokenizer."
+        )
+    texts = load_texts(cfg.data, tokenizer)
+    train_ids, held_ids = streams(tokenizer, texts, cfg.heldout_permille, cfg.seq_len)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg_path.write_text(json.dumps(asdict(cfg), indent=1))
+
+    torch.manual_seed(cfg.seed)
+    model = load_causal_lm(cfg.target, device=cfg.device)
+    runner = ModelRunner(model, "target")
+    runner.allocate(cfg.batch_size, cfg.seq_len + 1)
+    head = build_head(cfg, runner, train_ids, tokenizer)
+    params = list(head.module.parameters())
+    decay = [p for p in params if p.ndim >= 2]
+    other = [p for p in params if p.ndim < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(0.9, 0.95),
+    )  # fmt: skip
+    step, history = 0, []
+    if resume:
+        step, history = load_checkpoint(ckpt, head, opt)
+        log(f"resumed from step {step}")
+    windows = Windows(train_ids, cfg.seq_len, cfg.batch_size, cfg.seed)
+    cache = None
+    if cfg.cache_features:
+        cache = FeatureCache(
+            out / "features", runner, train_ids, cfg.seq_len, cfg.batch_size, cfg.seed, head.taps, target_pass
+        )
+        with tqdm(total=len(cache.windows), desc="caching target features", unit="window", leave=False) as cbar:
+            if not cache.build(cbar.update):
+                log(f"reusing the cached target features in {out / 'features'}")
+    held = Windows(held_ids, cfg.seq_len, cfg.batch_size, cfg.seed).fixed(cfg.eval_batches)
+    n_params = sum(p.numel() for p in params)
+    log(f"specfx train: {cfg.head} head, {n_params / 1e6:.2f} M trained parameters, {len(train_ids)} training / "
+        f"{len(held_ids)} held-out tokens, {cfg.steps} steps of {cfg.batch_size} x {cfg.seq_len}, {cfg.device}")  # fmt: skip
+    started = time.perf_counter()
+    bar = tqdm(total=cfg.steps, initial=step, desc=f"training {cfg.head}", unit="step", dynamic_ncols=True)
+    held_acc = float("nan")
+    end = cfg.steps if cfg.stop_after is None else min(cfg.steps, cfg.stop_after)
+    while step < end:
+        if cache is not None:
+            ids, logits, features = cache.at(step)
+        else:
+            ids = windows.at(step).to(runner.device)
+            logits, features = target_pass(runner, ids, head.taps)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        loss, acc = head.loss(ids, features, logits)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        record = {"step": step, "loss": round(loss.item(), 6), "acc": round(acc, 4)}
+        if step % cfg.ckpt_every == 0 or step == end:
+            held_loss, held_acc = heldout_metrics(head, runner, held)
+            record.update(heldout_loss=round(held_loss, 6), heldout_acc=round(held_acc, 4))
+            history.append(record)
+            save_checkpoint(ckpt, step, head, opt, history)
+        else:
+            history.append(record)
+        bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{acc:.2f}", heldout_acc=f"{held_acc:.2f}")
+        bar.update(1)
+    bar.close()
+    seconds = time.perf_counter() - started
+    head_dir = head.save(out / "head")
+    log(f"saved the {cfg.head} head to {head_dir}")
+    summary = {
+        "head": cfg.head, "head_dir": str(head_dir), "steps": step, "train_seconds_this_run": round(seconds, 1),
+        "final": history[-1] if history else None,
+        "eval": evaluate(cfg, model, head_dir, cfg.head, held_ids) if cfg.eval_prompts > 0 and step == cfg.steps else {},
+    }  # fmt: skip
+    (out / "eval.json").write_text(json.dumps(summary, indent=1))
+    for name, r in summary["eval"].items():
+        if "tau" in r:
+            log(
+                f"held-out greedy {name}: tau {r['tau']:.2f}, acceptance per depth {', '.join(f'{x:.2f}' for x in r['per_depth'])}"
+            )
+        else:
+            log(f"held-out {name}: skipped ({r['skipped']})")
+    return summary
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specfx train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", required=True, help="the target: a local HF causal LM directory (safetensors)")
+    p.add_argument("--head", required=True, choices=HEADS, help="what to train")
+    p.add_argument("--data", required=True, action="append", help="text file, folder or JSONL (repeatable)")
+    p.add_argument("--out", required=True, help="run directory: ckpt/, head/, eval.json")
+    p.add_argument("--init", default=None, help="an existing head directory to continue training from")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    defaults = TrainConfig("", "", [], "")
+    for name in ("steps", "batch_size", "seq_len", "seed", "heldout_permille", "eval_batches", "ckpt_every",
+                 "medusa_heads", "medusa_layers", "ttt_steps", "eval_prompts", "eval_prompt_len", "eval_new_tokens",
+                 "warmup"):  # fmt: skip
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
+    p.add_argument("--batch", dest="batch_size", type=int, default=argparse.SUPPRESS, help="alias of --batch-size")
+    p.add_argument("--draft-layers", type=int, default=defaults.draft_layers, help="--head draft: decoder layers")
+    p.add_argument("--draft-hidden", type=int, default=defaults.draft_hidden, help="--head draft: hidden size")
+    p.add_argument("--lr", type=float, default=defaults.lr)
+    p.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
+    p.add_argument(
+        "--draft-vocab-size",
+        type=int,
+        default=None,
+        help="EAGLE-3 from scratch: draft vocabulary (default min(V, 32000))",
+    )
+    p.add_argument("--eval-ks", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument(
+        "--stop-after",
+        type=int,
+        default=None,
+        help="end this run at that step, checkpointed (the schedule is still --steps'); --resume continues it",
+    )
+    p.add_argument(
+        "--cache-features",
+        action="store_true",
+        help="compute the target's features once into OUT/features (safetensors shards) and reuse them",
+    )
+    p.add_argument("--device", default="cpu")
+    return p
+
+
+def main(argv=None) -> int:
+    args = vars(parser().parse_args(argv))
+    resume = args.pop("resume")
+    try:
+        train(TrainConfig(**args), resume=resume)
+    except ValueError as e:
+        print(f"specfx train: error: {e}", file=sys.stderr)
+        return 2
+    return 0

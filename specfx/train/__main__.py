@@ -1,0 +1,7 @@
+"""``python -m specfx.train``: the same as ``specfx train``."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

@@ -189,7 +189,8 @@ def test_sampling_matches_exact_distribution(case):
 def test_compiled_one_graph(one_thread):
     target = _llama()
     vocab = target.config.vocab_size
-    spec = specfx.speculate(target, draft=Bigram(bigram_of(target, vocab)), tree=DynamicTree(8, 3, 3))
+    # traced by Dynamo with specfx's passes (EAGLE's dynamic tree runs under Inductor in test_eagle.py)
+    spec = specfx.speculate(target, draft=Bigram(bigram_of(target, vocab)), tree=DynamicTree(8, 3, 3), backend="specfx_eager")
     for length, pads in [(10, [0, 2]), (13, [4, 0])]:
         ids, mask = left_padded(length, pads, seed=length)
         kwargs = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)

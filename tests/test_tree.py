@@ -377,14 +377,23 @@ class SecondBestDraft(DraftModel):
 
     def __init__(self, model):
         super().__init__(model)
-        forward = self.runner.forward
+        self.runner = _SwappedTopTwo(self.runner)
 
-        def swapped(*args, **kwargs):
-            logits = forward(*args, **kwargs)  # [B, T, V]
-            top = logits.topk(2, dim=-1)
-            return logits.scatter(-1, top.indices.flip(-1), top.values)
 
-        self.runner.forward = swapped
+class _SwappedTopTwo:
+    """A ModelRunner whose forward returns logits with the two best tokens' scores swapped;
+    everything else (its cache, its probes, tree_refusal) is the real runner's."""
+
+    def __init__(self, runner):
+        self._runner = runner
+
+    def forward(self, *args, **kwargs):
+        logits = self._runner.forward(*args, **kwargs)  # [B, T, V]
+        top = logits.topk(2, dim=-1)
+        return logits.scatter(-1, top.indices.flip(-1), top.values)
+
+    def __getattr__(self, name):
+        return getattr(self._runner, name)
 
 
 def _fresh_kv(model, tokens: torch.Tensor):

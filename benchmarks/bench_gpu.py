@@ -112,6 +112,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--dtype", default=None, choices=("bfloat16", "float16", "float32"), help="default: bfloat16 (smoke: float32)"
     )
     p.add_argument("--init-range", type=float, default=0.02, help="initializer_range of the random weights")
+    p.add_argument(
+        "--weights",
+        default="peaked",
+        choices=("peaked", "random"),
+        help="peaked (default): random weights whose greedy token is decided by a wide logit margin\n"
+        "(see gpu_plan.peak_logits), so bf16 kernels agree and the oracle's alpha holds; random:\n"
+        "plain random init, whose near-flat logits make bf16 argmaxes flip between kernels",
+    )
     p.add_argument("--budget-s", type=float, default=480.0, help="skip what would end past this many seconds")
     p.add_argument(
         "--assume",

@@ -288,7 +288,14 @@ class SpeculativeGenerator:
         if self.state is None:
             raise RuntimeError("round_fn(): no state yet; call generate() once first.")
         k = self._round_shape() if k is None else k
-        return lambda: self._variant("round", k, sample, collect)(k, sample, collect)
+
+        def one_round():
+            # the modes generate() runs in: grad mode is part of the graph's guards, so a round
+            # called under another mode would recompile instead of replaying the graph
+            with self._lock, torch.inference_mode(False), torch.no_grad():
+                return self._variant("round", k, sample, collect)(k, sample, collect)
+
+        return one_round
 
     def _round_shape(self):
         """What a round verifies by default: the tree, or K (the largest K for "auto")."""

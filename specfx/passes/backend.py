@@ -17,6 +17,7 @@ function, and a CUDA graph reuses its output memory on the next call.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ import torch
 from torch import fx
 
 from .driver import PassReport, run_passes
+from .no_host_sync import opaque_host_syncs
 
 __all__ = ["GraphRecord", "GraphRecords", "make_backend", "specfx_backend", "specfx_eager_backend"]
 
@@ -86,7 +88,14 @@ def make_backend(inner: str = "specfx", records: list | None = None, *, round_gr
         from torch._inductor.compile_fx import compile_fx
 
         cuda = round_graphs and any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
-        return compile_fx(gm, example_inputs, config_patches={"triton.cudagraphs": True} if cuda else {})
+        syncs = opaque_host_syncs(gm) if cuda else {}
+        if syncs:
+            warnings.warn(
+                "specfx: this round cannot run as a CUDA graph, so it is compiled without one (correct, "
+                "but the host waits inside every round): " + "; ".join(syncs.values()) + ".",
+                stacklevel=2,
+            )
+        return compile_fx(gm, example_inputs, config_patches={"triton.cudagraphs": True} if cuda and not syncs else {})
 
     backend.__name__ = inner
     return backend

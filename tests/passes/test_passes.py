@@ -201,3 +201,50 @@ def test_dead_code_removes_unused_pure_ops(dead):
     gm = fx.symbolic_trace(f)
     assert remove_dead_code(gm) >= 1
     assert [n.op for n in gm.graph.nodes] == ["placeholder", "call_function", "output"]
+
+
+def test_opaque_host_syncing_ops_are_found_in_a_moe_graph():
+    """transformers' MoE experts in float32 under torch.compile call a custom op that reads
+    expert counts with .tolist(): the backend must see it (on CUDA it then compiles the round
+    without a CUDA graph and warns, instead of crashing at capture)."""
+    from specfx.models.tiny import tiny_causal_lm
+    from specfx.passes.no_host_sync import opaque_host_syncs
+
+    model = tiny_causal_lm("mixtral")
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(opaque_host_syncs(gm))
+        return gm.forward
+
+    f = torch.compile(lambda ids: model(ids).logits, backend=backend, fullgraph=True)
+    with torch.no_grad():
+        f(torch.randint(3, 100, (1, 5)))
+    assert list(seen[0]) == ["transformers::grouped_mm_fallback"]
+    assert "bfloat16" in seen[0]["transformers::grouped_mm_fallback"]
+    seen.clear()
+    dense = tiny_causal_lm("llama")
+    g = torch.compile(lambda ids: dense(ids).logits, backend=backend, fullgraph=True)
+    with torch.no_grad():
+        g(torch.randint(3, 100, (1, 5)))
+    assert seen == [{}]
+
+
+def test_repeat_interleave_syncs_only_with_tensor_repeats():
+    """Integer repeats (or an output_size) give a shape the host knows; tensor repeats do not.
+    (transformers' batched_mm MoE experts use integer repeats: that round must be accepted.)"""
+
+    class M(torch.nn.Module):
+        def forward(self, x, r):
+            a = x.repeat_interleave(2, dim=0)
+            b = torch.repeat_interleave(x, 3, dim=1)
+            c = x.repeat_interleave(r, dim=0)
+            d = torch.repeat_interleave(r)
+            e = x.repeat_interleave(r, dim=0, output_size=5)
+            f = x.repeat_interleave(repeats=4)
+            return a, b, c, d, e, f
+
+    from specfx.passes.no_host_sync import offending_nodes
+
+    bad = offending_nodes(fx.symbolic_trace(M()))
+    assert [b.split(":")[0] for b in bad] == ["repeat_interleave_2", "repeat_interleave_3"]

@@ -278,6 +278,38 @@ def section_moe(results, deadline):
         print(f"[moe] {label}: {json.dumps(rec, default=str)[:1200]}", flush=True)
 
 
+def section_moe_bf16(results):
+    """Why compiled bf16 Mixtral diverges: the divergences of specfx (compiled, default and
+    batched_mm experts) and of HF's own compiled static-cache generate from HF eager."""
+    from transformers import CompileConfig
+
+    out = results.setdefault("moe_bf16", [])
+    ids, mask = left_padded(10, (0, 3, 5), seed=10)
+    ids, mask = ids.to(DEV), mask.to(DEV)
+    kw = dict(max_new_tokens=24, do_sample=False, attention_mask=mask, eos_token_id=None, pad_token_id=0)
+    for label in ("specfx_default", "specfx_batched_mm", "specfx_eager_mode", "hf_static_compiled"):
+        try:
+            target = tiny_causal_lm("mixtral", num_layers=2, dtype=torch.bfloat16, initializer_range=0.3)
+            draft = perturbed_copy(target, 0.03).to(DEV)
+            target = target.to(DEV)
+            if label == "specfx_batched_mm":
+                target.set_experts_implementation("batched_mm")
+                draft.set_experts_implementation("batched_mm")
+            ref = target.generate(ids, **kw)
+            if label == "hf_static_compiled":
+                cc = CompileConfig(fullgraph=True, dynamic=False, mode="reduce-overhead")
+                got = target.generate(ids, cache_implementation="static", compile_config=cc, **kw)
+            else:
+                spec = specfx.speculate(target, draft=draft, num_speculative_tokens=3, compile=label != "specfx_eager_mode")
+                got = spec.generate(ids, **kw)
+            d = check_greedy_agreement(target, got, ref, mask)
+            rec = dict(name=label, divergences=[dict(row=x.row, index=x.index, tokens=x.tokens, gap=x.gap, tol=x.tolerance) for x in d])
+        except Exception:  # noqa: BLE001
+            rec = dict(name=label, error=traceback.format_exc()[-1500:])
+        out.append(rec)
+        print(f"[moe_bf16] {json.dumps(rec, default=str)[:900]}", flush=True)
+
+
 def section_sampling(results):
     target = tiny_causal_lm("llama", num_layers=4).to(DEV)
     draft = perturbed_copy(tiny_causal_lm("llama", num_layers=4), 0.03).to(DEV)
@@ -388,6 +420,8 @@ def main(argv=None):
                     save()
             elif name == "moe":
                 section_moe(results, deadline)
+            elif name == "moe_bf16":
+                section_moe_bf16(results)
             elif name == "sampling":
                 section_sampling(results)
             elif name == "bf16":

@@ -25,6 +25,12 @@ class SpecConfig:
             Inductor; "specfx_eager": the passes, then the graph runs eagerly; or any Dynamo backend).
         rounds_per_sync: rounds launched between host reads of the finished flags (>= 1).
             Larger values sync less; finished rows idle in the extra rounds.
+        overlap_reads: read the finished flags one round late: launch round i + 1, then wait
+            for round i's flags (copied to pinned host memory behind it), so the device always
+            has the next round queued and never waits on the host. A generation then ends one
+            (inert) round later than it could. None (default): on for CUDA, off elsewhere (on a
+            CPU a launch is the work itself, so there is nothing to overlap). Streamers,
+            stopping criteria, output_scores/logits and "auto" read every round, as before.
         prefill_buckets: prompt lengths prefill is compiled for; a prompt is left-padded up to
             the next bucket (longer prompts use multiples of the largest bucket).
         min_capacity: smallest KV-buffer length per row; buffers grow in powers of two.
@@ -48,6 +54,7 @@ class SpecConfig:
     compile: bool = True
     backend: Any = "specfx"
     rounds_per_sync: int = 1
+    overlap_reads: bool | None = None
     prefill_buckets: tuple[int, ...] = (16, 64, 256, 1024)
     min_capacity: int = 256
     auto_k_values: tuple[int, ...] = (1, 2, 4, 8)
@@ -96,6 +103,8 @@ class SpecConfig:
         r = self.rounds_per_sync
         if isinstance(r, bool) or not isinstance(r, int) or r < 1:
             raise ValueError(f"rounds_per_sync must be an int >= 1, got {r!r}.")
+        if not (self.overlap_reads is None or isinstance(self.overlap_reads, bool)):
+            raise ValueError(f"overlap_reads must be None, True or False, got {self.overlap_reads!r}.")
         b = self.prefill_buckets
         if not b or any(not isinstance(x, int) or x < 1 for x in b) or list(b) != sorted(set(b)):
             raise ValueError(f"prefill_buckets must be increasing positive ints, got {b!r}.")

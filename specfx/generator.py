@@ -140,6 +140,7 @@ class SpeculativeGenerator:
         weakref.finalize(self, release_code_map, self._codes)
         self.compile_events: list[CompileEvent] = []
         self._lock = threading.RLock()
+        self._pinned = None  # overlapped reads' host buffers (CUDA)
         self.stats = SpecStats()
         self.cumulative_stats = SpecStats()
 
@@ -430,7 +431,9 @@ class SpeculativeGenerator:
         auto, k = self.auto_k, self._round_shape()
         if auto is not None:
             auto.reset()
-        while rounds_left > 0 and not self._sync_finished():
+        overlap = self._overlap_reads(streamer, host_tokens, collect)
+        pending = None  # overlapped reads: the previous batch of rounds' flags, on their way to the host
+        while rounds_left > 0 and (overlap or not self._sync_finished()):
             if auto is not None:
                 k = auto.k
                 auto.history.append(k)
@@ -453,11 +456,49 @@ class SpeculativeGenerator:
                         new = [t if cap is None else t[: max(0, cap - k)] for t, cap, k in zip(new, stop_at, before, strict=False)]
                     if streamer is not None and new[0]:
                         streamer.put(torch.tensor(new[0]))
+            if overlap:
+                flags = self._flags_to_host()
+                if pending is not None and self._flags_done(pending):
+                    break  # the rounds just launched serve finished rows only: inert
+                pending = flags
             if req.max_time is not None and time.monotonic() - start > req.max_time:
                 break
         if streamer is not None:
             streamer.end()
         return self._finish(req, batch, stop_at, steps)
+
+    def _overlap_reads(self, streamer, host_tokens, collect) -> bool:
+        """Whether this call reads the finished flags one round late (SpecConfig.overlap_reads)."""
+        if streamer is not None or host_tokens is not None or collect or self.auto_k is not None:
+            return False  # these read every round's tokens or counters
+        wanted = self.spec_config.overlap_reads
+        return self.device.type == "cuda" if wanted is None else wanted
+
+    def _flags_to_host(self):
+        """Start copying (all finished, any invalid) to the host behind the rounds launched so
+        far; returns what :meth:`_flags_done` waits on. On CUDA: a pinned buffer (two, used in
+        turn, so the copy in flight never overwrites the one being read) and an event."""
+        s = self.state
+        head = torch.stack([s.finished.all(), s.invalid.any()])
+        if not head.is_cuda:
+            return head, None
+        if self._pinned is None:
+            self._pinned = [torch.empty(2, dtype=torch.bool, pin_memory=True) for _ in range(2)]
+        buf = self._pinned[0]
+        self._pinned.reverse()
+        buf.copy_(head, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return buf, event
+
+    def _flags_done(self, pending) -> bool:
+        buf, event = pending
+        if event is not None:
+            event.synchronize()
+        done, invalid = buf.tolist()
+        if invalid:
+            self._raise_invalid()
+        return bool(done)
 
     def _sync_finished(self) -> bool:
         """The host's read between rounds: are all rows finished? The NaN flag comes back in

@@ -29,6 +29,7 @@ __all__ = [
     "draft_chain",
     "draft_token",
     "resolve_drafter",
+    "stash_at",
 ]
 
 # Cost of verifying one more position, relative to a target forward over one token: the
@@ -214,6 +215,19 @@ class DraftModel(Drafter):
 
     def commit_tree(self, src, dst) -> None:
         self.runner.cache.move(src, dst)
+
+
+def stash_at(stash: torch.Tensor, values: torch.Tensor, at: torch.Tensor) -> None:
+    """Write, per row, the column of ``values [B, T, H]`` where ``at [B, T]`` is True (at most
+    one per row) into ``stash [B, 1, H]`` or ``[B, H]``, in place; rows with no True column
+    (finished rows, padding) keep their stash. Fixed shapes, no host sync: the observe step
+    of every drafter that keeps a feature of the pending position (MTP, Medusa, EAGLE)."""
+    index = at.int().argmax(dim=1).view(-1, 1, 1).expand(-1, 1, values.shape[-1])
+    found = at.any(dim=1).view(-1, 1, 1)
+    column = values.gather(1, index).to(stash.dtype)  # [B, 1, H]
+    if stash.dim() == 2:
+        column, found = column.squeeze(1), found.squeeze(1)
+    stash.copy_(torch.where(found, column, stash))
 
 
 def draft_chain(ctx, first_logits: torch.Tensor, step: Callable[[int, list], torch.Tensor]):

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from .cache import SlotCache
-from .drafters import TREE_DRAFTERS, VERIFY_COST, Drafter, draft_chain
+from .drafters import TREE_DRAFTERS, VERIFY_COST, Drafter, draft_chain, stash_at
 from .graph_utils import mark_static
 from .masks import check_attn_implementation, layer_pattern, to_format, visible_slots
 from .runner import ModelRunner
@@ -299,14 +299,12 @@ class MTP(Drafter):
         q_slots = torch.where(slots == positions, q_pos, self.cache.trash_slot).clamp(max=capacity - 1)
         ids = ctx.tokens.gather(1, q_pos.clamp(max=capacity - 1))  # committed up to the pending token
         at_pending = q_pos == ctx.lengths.unsqueeze(1)  # [B, T], one True per row that advanced
-        index = at_pending.int().argmax(dim=1).view(-1, 1, 1).expand(-1, 1, hidden.shape[-1])
-        advanced = at_pending.any(dim=1).view(-1, 1, 1)
         h_in = hidden.to(self.stash.dtype)
         for i in range(self.num_layers):
             out = self._layer(i, ids, h_in, q_pos, q_slots)  # [B, T, H] at positions p + 1
             # the next depth at p + 1 needs this depth at p: the stash (p = old pending) then out
             h_in = torch.cat([self.stash[i], out[:, :-1]], dim=1)
-            self.stash[i].copy_(torch.where(advanced, out.gather(1, index), self.stash[i]))
+            stash_at(self.stash[i], out, at_pending)
 
     def propose(self, ctx):
         m = self.num_layers

@@ -71,7 +71,7 @@ import torch
 from torch import nn
 
 from ..cache import SlotCache
-from ..drafters import VERIFY_COST, Drafter, draft_chain
+from ..drafters import VERIFY_COST, Drafter, draft_chain, stash_at
 from ..graph_utils import mark_static
 from ..masks import TreeView, check_attn_implementation, layer_pattern, mask_plan, to_format, visible_slots
 from ..runner import ModelRunner
@@ -176,10 +176,7 @@ class EagleBase(Drafter):
         q_slots = torch.where(slots == positions, q_pos, self.cache.trash_slot).clamp(max=capacity - 1)
         ids = ctx.tokens.gather(1, q_pos.clamp(max=ctx.tokens.shape[1] - 1))  # committed up to the pending token
         out = self._entry(ids, feature, q_pos, q_slots, None)  # [B, T, S]
-        at_pending = q_pos == ctx.lengths.unsqueeze(1)  # [B, T], one True per row that advanced
-        index = at_pending.int().argmax(dim=1).view(-1, 1, 1).expand(-1, 1, out.shape[-1])
-        advanced = at_pending.any(dim=1).view(-1, 1, 1)
-        self.stash.copy_(torch.where(advanced, out.gather(1, index).to(self.stash.dtype), self.stash))
+        stash_at(self.stash, out, q_pos == ctx.lengths.unsqueeze(1))  # one True per row that advanced
 
     def propose(self, ctx):
         lengths = ctx.lengths.unsqueeze(1)  # [B, 1], the pending position L

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..drafters import VERIFY_COST, Drafter
+from ..drafters import VERIFY_COST, Drafter, stash_at
 from ..graph_utils import mark_static
 from ..runner import ModelRunner
 from ..tree_round import draft_tree
@@ -279,11 +279,7 @@ class Medusa(Drafter):
         pending one); rows with no such column (finished rows) keep theirs. Padding columns
         (written to the trash slot, so ``slots != positions``) never match."""
         (hidden,) = features  # [B, T, H]
-        at = (positions == (ctx.lengths - 1).unsqueeze(1)) & (slots == positions)  # [B, T]
-        index = at.int().argmax(dim=1).view(-1, 1, 1).expand(-1, 1, hidden.shape[-1])
-        found = at.any(dim=1, keepdim=True)  # [B, 1]
-        feature = hidden.gather(1, index).squeeze(1).to(self.stash.dtype)  # [B, H]
-        self.stash.copy_(torch.where(found, feature, self.stash))
+        stash_at(self.stash, hidden, (positions == (ctx.lengths - 1).unsqueeze(1)) & (slots == positions))
 
     def head_logits(self, hidden: torch.Tensor, n: int) -> torch.Tensor:
         """Logits ``[B, n, V_target]`` of heads ``0..n-1`` at ``hidden [B, H]``; token ids past

@@ -91,7 +91,9 @@ def test_greedy_equals_generate_chain_and_trees(arch, head_dir, one_thread):
     for shape in SHAPES.values():
         spec = specfx.speculate(target, draft=f"eagle3:{path}", compile=False, **shape)
         assert isinstance(spec.drafter, Eagle3) and spec.drafter.taps == ("layer:1", "layer:2", "layer:3")
-        for length, new in [(1, 9), (12, 20)]:
+        # every family: a one-token prompt and the left-padded batch; llama also a longer prompt
+        # (the suite's time: each case generates with HF and specfx, three shapes, seven families)
+        for length, new in [(1, 9), (12, 20)] if arch == "llama" else [(1, 9)]:
             _assert_greedy_equal(target, spec, prompt(length, seed=length), new=new)
         _assert_greedy_equal(target, spec, *_left_padded_batch())
 

@@ -179,9 +179,10 @@ def check_drafter(name, kwargs, target, skiplog, batch1=False):
 
 def section_drafters(results, deadline):
     skiplog = SkipLog()
-    for lname in ("torch._inductor", "torch._inductor.cudagraph_trees", "torch._inductor.utils"):
-        logging.getLogger(lname).addHandler(skiplog)
-    torch._logging.set_logs(perf_hints=True)  # "skipping cudagraphs due to ..." is a perf hint
+    if DEV.type == "cuda":  # process-wide logging: only in the GPU run, not in the CPU smoke test
+        for lname in ("torch._inductor", "torch._inductor.cudagraph_trees", "torch._inductor.utils"):
+            logging.getLogger(lname).addHandler(skiplog)
+        torch._logging.set_logs(perf_hints=True)  # "skipping cudagraphs due to ..." is a perf hint
     target = tiny_causal_lm("llama", num_layers=4).to(DEV)
     draft = perturbed_copy(tiny_causal_lm("llama", num_layers=4), 0.03).to(DEV)
     out = results.setdefault("drafters", [])

@@ -183,13 +183,16 @@ def demo(args) -> int:
 
 
 def head_params(path: Path) -> int:
-    """Parameters stored in a head directory's safetensors files."""
+    """Parameters stored in a head directory's safetensors files: its floating-point tensors
+    (EAGLE-3's integer/boolean vocabulary maps are not parameters)."""
     from safetensors import safe_open
 
     n = 0
     for f in sorted(path.glob("*.safetensors")):
         with safe_open(f, "pt") as st:
-            n += sum(math.prod(st.get_slice(key).get_shape()) for key in st.keys())
+            for key in st.keys():
+                t = st.get_slice(key)
+                n += math.prod(t.get_shape()) if t.get_dtype() in ("F16", "BF16", "F32", "F64") else 0
     return n
 
 

@@ -8,6 +8,7 @@ argparse prints them as they are.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -20,7 +21,8 @@ DESCRIPTION = (
     "target and a much smaller draft trained on the Python standard library; see "
     "specfx/models/demo_pair/MODEL_CARD.md), marks the drafted-and-accepted tokens, times HF "
     "generate(), HF assisted generation and specfx on the same prompts, checks that specfx's "
-    "greedy output is identical to HF's, and writes a plot. specfx bench is the benchmark "
+    "greedy output is identical to HF's, and writes a plot. --draft eagle3|eagle|medusa drafts with "
+    "the heads shipped for the same target instead (trained with specfx train; MODEL_CARD.md 'Heads'). specfx bench is the benchmark "
     "(specfx bench --help); specfx train trains a Medusa, EAGLE or EAGLE-3 head or a draft model for your own target "
     "(specfx train --help)."
 )
@@ -78,7 +80,7 @@ def demo(args) -> int:
     import specfx
     from specfx.bench.common import spinner, time_method, torch_threads
     from specfx.bench.plot import acceptance_plot
-    from specfx.models.demo import demo_prompts, load_demo_pair
+    from specfx.models.demo import DEMO_PAIR_DIR, demo_drafter, demo_prompts, load_demo_pair
 
     device = torch.device(args.device)
     # small forwards are often faster on one thread (README, "Performance notes")
@@ -86,9 +88,14 @@ def demo(args) -> int:
         with spinner("loading the demo pair"):
             target, draft, tok = load_demo_pair(device)
         n_t = sum(p.numel() for p in target.parameters()) / 1e6
-        n_d = sum(p.numel() for p in draft.parameters()) / 1e6
+        if args.draft == "draft":
+            n_d = sum(p.numel() for p in draft.parameters()) / 1e6
+            what = f"draft {n_d:.2f} M params"
+        else:
+            n_d = head_params(DEMO_PAIR_DIR / "heads" / args.draft) / 1e6
+            what = f"{args.draft} head {n_d:.2f} M params"
         print(
-            f"specfx demo: target {n_t:.1f} M params, draft {n_d:.2f} M params (trained on the Python stdlib), "
+            f"specfx demo: target {n_t:.1f} M params, {what} (trained on the Python stdlib), "
             f"K = {args.k}, {'sampling' if args.sample else 'greedy'}, {device}, {target.dtype} "
             f"(shipped as float16), {threads} torch thread(s)"
         )
@@ -105,15 +112,20 @@ def demo(args) -> int:
 
             return run
 
-        eager = specfx.speculate(target, draft=draft, num_speculative_tokens=args.k, compile=False)
-        methods = {
-            "HF generate()": seeded(lambda ids: target.generate(ids, **kw)),
-            f"HF assisted (K={args.k})": seeded(lambda ids: assisted(target, draft, args.k, ids, kw)),
-            "specfx eager": seeded(lambda ids: eager.generate(ids, **kw)),
-        }
+        def drafter():  # a head binds to one generator: a fresh one per speculate()
+            return demo_drafter(args.draft, draft)
+
+        try:
+            eager = specfx.speculate(target, draft=drafter(), num_speculative_tokens=args.k, compile=False)
+        except (ValueError, FileNotFoundError) as e:  # a missing head, or K deeper than Medusa's heads
+            raise SystemExit(f"specfx demo: error: {e}") from None
+        methods = {"HF generate()": seeded(lambda ids: target.generate(ids, **kw))}
+        if args.draft == "draft":  # HF's assisted generation takes a draft model, not these heads
+            methods[f"HF assisted (K={args.k})"] = seeded(lambda ids: assisted(target, draft, args.k, ids, kw))
+        methods["specfx eager"] = seeded(lambda ids: eager.generate(ids, **kw))
         spec = eager
         if not args.no_compile:
-            spec = specfx.speculate(target, draft=draft, num_speculative_tokens=args.k, compile=True)
+            spec = specfx.speculate(target, draft=drafter(), num_speculative_tokens=args.k, compile=True)
             with spinner("compiling the prefill and round graphs (first call; ~1 min on a small CPU)"):
                 spec.generate(prompts[0], **kw)
             methods["specfx compiled"] = seeded(lambda ids: spec.generate(ids, **kw))
@@ -170,6 +182,20 @@ def demo(args) -> int:
     return 0 if same or args.sample else 1
 
 
+def head_params(path: Path) -> int:
+    """Parameters stored in a head directory's safetensors files: its floating-point tensors
+    (EAGLE-3's integer/boolean vocabulary maps are not parameters)."""
+    from safetensors import safe_open
+
+    n = 0
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(f, "pt") as st:
+            for key in st.keys():
+                t = st.get_slice(key)
+                n += math.prod(t.get_shape()) if t.get_dtype() in ("F16", "BF16", "F32", "F64") else 0
+    return n
+
+
 def main(argv=None) -> int:
     """Entry point of the ``specfx`` console script."""
     parser = argparse.ArgumentParser(prog="specfx", description=DESCRIPTION)
@@ -180,6 +206,12 @@ def main(argv=None) -> int:
     d.add_argument("--num-prompts", type=int, default=3, help="held-out prompts to use when no --prompt is given")
     d.add_argument("--max-new-tokens", type=int, default=64)
     d.add_argument("--k", type=int, default=4, help="K, proposals per round")
+    d.add_argument(
+        "--draft",
+        default="draft",
+        choices=("draft", "eagle3", "eagle", "medusa"),
+        help="the drafter: the shipped draft model (default) or a head shipped for the demo target",
+    )
     d.add_argument("--sample", action="store_true", help="sample (temperature, top-p 0.95) instead of greedy")
     d.add_argument("--temperature", type=float, default=0.8)
     d.add_argument("--seed", type=int, default=0)

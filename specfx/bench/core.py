@@ -49,6 +49,16 @@ of itself (its weights stay hot in the CPU caches; a round alternates two models
 ratio is an upper bound on the machinery's own cost. The parts write KV past the end of the
 last generation; a later generate call rewrites every slot before any query can see it.
 
+Drafters side by side (``--drafters draft,eagle3,eagle,medusa``, demo target only): the shipped
+drafters of the demo target (the draft model and the heads in ``specfx/models/demo_pair/heads``,
+MODEL_CARD.md "Heads") each run as ``specfx_eager[NAME]@K`` (and ``specfx_compiled[NAME]@K``)
+over the same prompts, every output checked against hf_dynamic's; a K deeper than Medusa's heads
+is listed as not run. ``--tree-budget N`` adds one tree of N nodes per drafter,
+``specfx_eager[NAME]@treeN``: EAGLE-2's dynamic tree (``TokenTree.eagle2(budget=N)``) for the
+EAGLE heads, ``TokenTree.medusa(budget=N)`` for Medusa, ``TokenTree.topk(depth=N // 2,
+branching=2, budget=N)`` for the draft model (the ``specfx bench trees`` shape). bench.md then
+ends with a drafters table: α and τ per drafter and K.
+
 Writes ``--out``/bench.json (config, machine, every time, α/τ/per-position acceptance),
 bench.md (the table) and bench.png (speed vs K, acceptance by position).
 """
@@ -134,6 +144,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         "(specfx methods with a draft model; see the module docstring)",
     )
     p.add_argument("--micro-iters", type=int, default=50, help="timed calls per --round-overhead part (default 50)")
+    p.add_argument(
+        "--drafters",
+        default=None,
+        help="comma-separated shipped drafters of the demo target to compare side by side:\n"
+        "draft, eagle3, eagle, medusa (MODEL_CARD.md 'Heads'; not with --target/--draft)",
+    )
+    p.add_argument(
+        "--tree-budget",
+        type=int,
+        default=0,
+        help="with --drafters: also one tree of this many nodes per drafter (module docstring)",
+    )
     args = p.parse_args(argv)
     try:
         args.k_values = sorted({int(x) for x in args.k.split(",") if x.strip()})
@@ -147,6 +169,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads must be >= 1, got {args.threads}")
     args.skip_set = {s.strip() for s in args.skip.split(",") if s.strip()}
+    args.drafter_names = []
+    if args.drafters is not None:
+        from ..models.demo import DEMO_DRAFTERS
+
+        args.drafter_names = list(dict.fromkeys(s.strip() for s in args.drafters.split(",") if s.strip()))
+        bad = [d for d in args.drafter_names if d not in DEMO_DRAFTERS]
+        if bad or not args.drafter_names:
+            p.error(f"--drafters takes a comma-separated subset of {','.join(DEMO_DRAFTERS)}, got {args.drafters!r}")
+        if args.target is not None or args.draft is not None:
+            p.error("--drafters compares the demo target's shipped drafters: drop --target/--draft")
+    if args.tree_budget < 0 or (args.tree_budget and not args.drafter_names):
+        p.error("--tree-budget takes a positive node count, and needs --drafters")
     return args
 
 
@@ -244,13 +278,81 @@ def build_methods(args, target, draft, batch: int, device) -> tuple[dict, dict]:
     for k in args.k_values:
         if batch == 1:
             methods[f"hf_assisted@{k}"] = lambda b, k=k: assisted_generate(target, draft, k, b, greedy)
+        if args.drafter_names:
+            continue
         for compiled in (False, True) if not args.no_compile else (False,):
             name = f"specfx_{'compiled' if compiled else 'eager'}@{k}"
             spec = specfx.speculate(target, draft=draft, num_speculative_tokens=k, compile=compiled)
             methods[name] = lambda b, spec=spec: spec.generate(**b, **greedy)
             specs[name] = spec
+    for d in args.drafter_names:  # the shipped drafters side by side (module docstring)
+        runs = [(str(k), dict(num_speculative_tokens=k)) for k in args.k_values]
+        if args.tree_budget:
+            runs.append((f"tree{args.tree_budget}", dict(tree=drafter_tree(d, args.tree_budget))))
+        for label, how in runs:
+            for compiled in (False, True) if not args.no_compile else (False,):
+                name = f"specfx_{'compiled' if compiled else 'eager'}[{d}]@{label}"
+                try:
+                    spec = specfx.speculate(target, draft=demo_drafter(d, draft), compile=compiled, **how)
+                except ValueError as e:  # e.g. K deeper than Medusa's heads: listed as not run
+                    methods[name] = lambda b, e=e: _raise(e)
+                    continue
+                methods[name] = lambda b, spec=spec: spec.generate(**b, **greedy)
+                specs[name] = spec
     skip = {m for m in methods if m.split("@")[0] in args.skip_set or m in args.skip_set}
     return {m: f for m, f in methods.items() if m not in skip}, {m: s for m, s in specs.items() if m not in skip}
+
+
+def demo_drafter(name: str, draft_model):
+    from ..models.demo import demo_drafter as load
+
+    return load(name, draft_model)
+
+
+def drafter_tree(name: str, budget: int):
+    """The one tree per drafter of ``--tree-budget`` (module docstring)."""
+    from ..tree import TokenTree
+
+    if name in ("eagle3", "eagle"):
+        return TokenTree.eagle2(budget=budget)
+    if name == "medusa":
+        return TokenTree.medusa(budget=budget)
+    return TokenTree.topk(depth=max(1, budget // 2), branching=2, budget=budget)
+
+
+def _raise(e: Exception):
+    raise e
+
+
+def drafters_table(runs: dict, names: list[str]) -> str:
+    """α / τ per shipped drafter (rows) and K or tree (columns), eager runs, per batch size."""
+    lines = []
+    for batch, results in runs.items():
+        labels: list[str] = []
+        for name in results:
+            if name.startswith("specfx_eager[") and name.partition("@")[2] not in labels:
+                labels.append(name.partition("@")[2])
+        lines += [
+            f"Drafters side by side, batch {batch} (α accepted/proposed, τ tokens per round; eager):",
+            "",
+            "| drafter | " + " | ".join(f"K = {k}" if k.isdigit() else k for k in labels) + " |",
+            "|---|" + "---:|" * len(labels),
+        ]
+        for d in names:
+            cells = []
+            for label in labels:
+                r = results.get(f"specfx_eager[{d}]@{label}")
+                st = r.get("stats") if r and r["status"] == "ok" else None
+                ok = r is not None and r.get("same_tokens_as_hf_dynamic", True)
+                cells.append(
+                    "not run"
+                    if st is None
+                    else f"α {st['acceptance_rate']:.3f}, τ {st['tokens_per_round']:.2f}"
+                    + ("" if ok else " **NOT EQUAL**")
+                )
+            lines.append(f"| {d} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def assisted_generate(target, draft, k: int, batch: dict, kwargs: dict) -> torch.Tensor:
@@ -311,7 +413,7 @@ def bench_batch(args, methods, specs, batches, sync) -> dict:
         for name in live:
             results[name]["speedup_vs_hf_dynamic"] = results[BASELINE]["median_s"] / results[name]["median_s"]
     if args.round_overhead:
-        for name in (n for n in live if n in specs):
+        for name in (n for n in live if n in specs and n.partition("@")[2].isdigit()):
             compiled, k = "compiled" in name, int(name.partition("@")[2])
             wait = spinner(f"[round overhead] {name}: compiling the parts") if compiled else nullcontext()
             try:
@@ -395,7 +497,7 @@ def run(args, target, draft, tok, desc: str, argv=None) -> int:
     meta = dict(
         models=desc,
         target_params=sum(p.numel() for p in target.parameters()),
-        draft=args.draft or "demo draft",
+        draft=args.draft or ("demo drafters " + ",".join(args.drafter_names) if args.drafter_names else "demo draft"),
         torch=torch.__version__,
         transformers=transformers.__version__,
         specfx=specfx.__version__,
@@ -415,6 +517,8 @@ def run(args, target, draft, tok, desc: str, argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench.json").write_text(json.dumps(dict(config=config, meta=meta, runs=runs), indent=2))
     table = markdown_table(runs)
+    if args.drafter_names:
+        table += "\n" + drafters_table(runs, args.drafter_names)
     header = (
         f"{desc}; greedy, {args.dtype}, {args.device}, {threads} torch thread(s), {args.max_new_tokens} new tokens, "
         f"torch {meta['torch']}, transformers {meta['transformers']}\n\n`{meta['command']}`\n\n"
@@ -429,10 +533,10 @@ def run(args, target, draft, tok, desc: str, argv=None) -> int:
         if r["status"] != "ok":
             continue
         method, _, k = name.partition("@")
-        if k:
+        if k.isdigit():
             speeds.setdefault(method, {})[int(k)] = r["tokens_per_s"]
-            if "stats" in r and method == "specfx_eager":
-                per_position[f"K = {k}"] = r["stats"]["per_position_rate"]
+            if "stats" in r and method.startswith("specfx_eager"):
+                per_position[f"{method[len('specfx_eager') :]} K = {k}".strip()] = r["stats"]["per_position_rate"]
     for name in ("hf_dynamic", "hf_static", "hf_static_compiled"):
         r = runs[b0].get(name)
         if r and r["status"] == "ok":

@@ -10,9 +10,12 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["DEMO_PAIR_DIR", "load_demo_pair", "demo_prompts"]
+__all__ = ["DEMO_PAIR_DIR", "DEMO_DRAFTERS", "load_demo_pair", "demo_drafter", "demo_prompts"]
 
 DEMO_PAIR_DIR = Path(__file__).parent / "demo_pair"
+# The shipped drafters for the demo target: the draft model, and heads trained by ``specfx train``
+# on the same stdlib training split (``demo_pair/heads/<name>``, public layouts; MODEL_CARD.md "Heads").
+DEMO_DRAFTERS = ("draft", "eagle3", "eagle", "medusa")
 
 
 def _check_shipped() -> None:
@@ -39,6 +42,28 @@ def load_demo_pair(device: str | torch.device = "cpu", dtype: torch.dtype = torc
     _check_shipped()
     target, draft = (load_causal_lm(DEMO_PAIR_DIR / role, dtype, device) for role in ("target", "draft"))
     return target, draft, load_tokenizer(DEMO_PAIR_DIR / "target")
+
+
+def demo_drafter(name: str, draft_model=None):
+    """A shipped drafter for the demo target, ready for ``specfx.speculate(target, draft=...)``:
+    ``"draft"`` returns ``draft_model`` (the pair's draft, from :func:`load_demo_pair`);
+    ``"eagle3"``, ``"eagle"``, ``"medusa"`` load a fresh ``specfx.Eagle3`` / ``Eagle`` /
+    ``Medusa`` from ``demo_pair/heads/<name>`` (a drafter binds to one generator, so load one
+    per ``speculate()`` call)."""
+    if name not in DEMO_DRAFTERS:
+        raise ValueError(f"unknown demo drafter {name!r}: choose one of {', '.join(DEMO_DRAFTERS)}.")
+    if name == "draft":
+        if draft_model is None:
+            raise ValueError('demo_drafter("draft") needs the draft model from load_demo_pair().')
+        return draft_model
+    from .eagle import Eagle
+    from .eagle3 import Eagle3
+    from .medusa import Medusa
+
+    path = DEMO_PAIR_DIR / "heads" / name
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"the shipped {name} head is missing: {path} has no config.json (reinstall specfx).")
+    return {"eagle3": Eagle3, "eagle": Eagle, "medusa": Medusa}[name](path)
 
 
 def demo_prompts() -> list[dict]:

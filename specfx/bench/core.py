@@ -285,6 +285,8 @@ def build_methods(args, target, draft, batch: int, device) -> tuple[dict, dict]:
             spec = specfx.speculate(target, draft=draft, num_speculative_tokens=k, compile=compiled)
             methods[name] = lambda b, spec=spec: spec.generate(**b, **greedy)
             specs[name] = spec
+    if args.drafter_names:
+        from ..models.demo import demo_drafter
     for d in args.drafter_names:  # the shipped drafters side by side (module docstring)
         runs = [(str(k), dict(num_speculative_tokens=k)) for k in args.k_values]
         if args.tree_budget:
@@ -301,12 +303,6 @@ def build_methods(args, target, draft, batch: int, device) -> tuple[dict, dict]:
                 specs[name] = spec
     skip = {m for m in methods if m.split("@")[0] in args.skip_set or m in args.skip_set}
     return {m: f for m, f in methods.items() if m not in skip}, {m: s for m, s in specs.items() if m not in skip}
-
-
-def demo_drafter(name: str, draft_model):
-    from ..models.demo import demo_drafter as load
-
-    return load(name, draft_model)
 
 
 def drafter_tree(name: str, budget: int):

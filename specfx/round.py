@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .graph_utils import mark_static
-from .sampling import PLACEHOLDER, greedy_verify, process_logits, rejection_verify, sample_from, uniform
+from .sampling import PLACEHOLDER, Mode, as_mode, greedy_verify, process_logits, rejection_verify, sample_from, uniform
 from .tree import TokenTree
 
 __all__ = ["EOS_SLOTS", "RoundState", "RoundContext", "prefill_step", "round_step"]
@@ -99,38 +99,29 @@ class RoundState:
 class RoundContext:
     """What a drafter and the verifier share inside one round (or prefill)."""
 
-    def __init__(self, state: RoundState, k: int, vocab: int, sample: bool, tree: TokenTree | None = None):
+    def __init__(self, state: RoundState, k: int, vocab: int, sample: Mode | bool, tree: TokenTree | None = None):
         self.state = state
         self.k = k  # proposals this round (a tree's node count)
         self.token_tree = tree  # the round's TokenTree (None: a chain of K)
         # its TreeTensors (a DynamicTree's are the drafter's, set by the round once drafted)
         self.tree = tree.tensors(state.tokens.device) if isinstance(tree, TokenTree) else None
         self.vocab = vocab
-        self.sample = sample  # sampling or greedy: a graph constant (one graph per mode)
+        self.mode = as_mode(sample)  # a graph constant (one graph per mode)
+        self.sample = self.mode.sample  # sampling or greedy
         self.tokens = state.tokens
         self.lengths = state.lengths
-        self._block: torch.Tensor | None = None  # [B, 2K+2, V] uniforms of this round, made on first use
+        self._block: torch.Tensor | None = None  # [B, K, V] uniforms of this round's draft steps, made on first use
 
     def uniform(self, stream: int, shape) -> torch.Tensor:
-        """Uniforms in (0, 1) for one use in this round: draft step i (stream 1 + i, ``[B, 1,
-        V]``), acceptance (``[B, K]``) and resampling (``[B, K+1, V]``) are disjoint slices of
-        one block (rows 0..K-1, K..2K and the head of row 2K+1); anything else hashes its own."""
+        """Uniforms in (0, 1) for one use in this round. The K draft steps (stream 1 + i,
+        ``[B, 1, V]`` each) are rows of one block, made only when a drafter samples; acceptance
+        (``[B, K]``) and the one resampled position (``[B, V]``) hash their own streams."""
         b, k, v = self.tokens.shape[0], self.k, self.vocab
-        shape = tuple(shape)
-        if k > 0 and v >= k:
-            if 1 <= stream <= k and shape == (b, 1, v):
-                return self._noise()[:, stream - 1 : stream]
-            if stream == _STREAM_RESAMPLE and shape == (b, k + 1, v):
-                return self._noise()[:, k : 2 * k + 1]
-            if stream == _STREAM_ACCEPT and shape == (b, k):
-                return self._noise()[:, 2 * k + 1, :k]
-        return uniform(self.state.seed, self.state.counter, stream, shape)
-
-    def _noise(self) -> torch.Tensor:
-        if self._block is None:
-            b, k, v = self.tokens.shape[0], self.k, self.vocab
-            self._block = uniform(self.state.seed, self.state.counter, _STREAM_ROUND, (b, 2 * k + 2, v))
-        return self._block
+        if 1 <= stream <= k and tuple(shape) == (b, 1, v):
+            if self._block is None:
+                self._block = uniform(self.state.seed, self.state.counter, _STREAM_ROUND, (b, k, v))
+            return self._block[:, stream - 1 : stream]
+        return uniform(self.state.seed, self.state.counter, stream, tuple(shape))
 
     def process(self, logits: torch.Tensor, first: int, drafted: list) -> torch.Tensor:
         """Processed scores for ``logits [B, T, V]`` predicting positions
@@ -140,12 +131,14 @@ class RoundContext:
         b, t, v = logits.shape
         offsets = torch.arange(first, first + t, device=logits.device)
         gen_index = (s.lengths + 1 - s.prompt_lengths).unsqueeze(1) + offsets  # [B, T]
-        presence = (s.seen > 0).unsqueeze(1)  # [B, 1, V]
-        vocab_ids = torch.arange(v, device=logits.device)
-        index = offsets.view(1, t, 1)
-        for j, d in enumerate(drafted[: first + t - 1]):  # d_j counts at positions after j
-            presence = presence | ((vocab_ids == d.unsqueeze(-1)) & (index > j))  # [B, T, V]
-        return process_logits(logits, s.values, presence, gen_index, s.eos_ids, warpers=self.sample)
+        presence = None  # only the repetition penalty reads it
+        if self.mode.penalty:
+            presence = (s.seen > 0).unsqueeze(1)  # [B, 1, V]
+            vocab_ids = torch.arange(v, device=logits.device)
+            index = offsets.view(1, t, 1)
+            for j, d in enumerate(drafted[: first + t - 1]):  # d_j counts at positions after j
+                presence = presence | ((vocab_ids == d.unsqueeze(-1)) & (index > j))  # [B, T, V]
+        return process_logits(logits, s.values, presence, gen_index, s.eos_ids, self.mode)
 
     def process_nodes(self, logits: torch.Tensor, queries: tuple[int, ...], tokens: torch.Tensor) -> torch.Tensor:
         """Processed scores for ``logits [B, T, V]`` at the token-tree nodes ``queries`` (each
@@ -157,12 +150,14 @@ class RoundContext:
         q = torch.tensor(queries, device=logits.device)
         depth = tree.depth.expand(b, -1)[:, q]  # [B, T]
         gen_index = (s.lengths + 1 - s.prompt_lengths).unsqueeze(1) + depth
-        path = tree.path.expand(b, -1, -1)[:, q, 1:]  # [B, T, D]: ancestors at depths 1..D
-        on_path = torch.arange(1, tree.max_depth + 1, device=logits.device) <= depth.unsqueeze(-1)
-        path_tokens = tokens.gather(1, path.reshape(b, -1)).view(path.shape)
-        drafted = torch.zeros((b, t, v), dtype=torch.int32, device=logits.device).scatter_add_(2, path_tokens, on_path.int())
-        presence = (s.seen > 0).unsqueeze(1) | (drafted > 0)
-        return process_logits(logits, s.values, presence, gen_index, s.eos_ids, warpers=self.sample)
+        presence = None  # only the repetition penalty reads it
+        if self.mode.penalty:
+            path = tree.path.expand(b, -1, -1)[:, q, 1:]  # [B, T, D]: ancestors at depths 1..D
+            on_path = torch.arange(1, tree.max_depth + 1, device=logits.device) <= depth.unsqueeze(-1)
+            path_tokens = tokens.gather(1, path.reshape(b, -1)).view(path.shape)
+            drafted = torch.zeros((b, t, v), dtype=torch.int32, device=logits.device).scatter_add_(2, path_tokens, on_path.int())
+            presence = (s.seen > 0).unsqueeze(1) | (drafted > 0)
+        return process_logits(logits, s.values, presence, gen_index, s.eos_ids, self.mode)
 
     def choose(self, scores: torch.Tensor, stream: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The next token from processed ``scores [B, T, V]``: sampled from their softmax when
@@ -174,7 +169,7 @@ class RoundContext:
         return sample_from(probs, self.uniform(stream, probs.shape)), probs
 
 
-def prefill_step(target, drafter, state: RoundState, ids: torch.Tensor, vocab: int, sample: bool, collect: bool = False):
+def prefill_step(target, drafter, state: RoundState, ids: torch.Tensor, vocab: int, sample: Mode | bool, collect: bool = False):
     """Prefill target and drafter on the prompt and choose the first new token.
 
     ``ids [B, P]`` is the prompt left-padded to a bucket length P (so every row's last real
@@ -185,6 +180,8 @@ def prefill_step(target, drafter, state: RoundState, ids: torch.Tensor, vocab: i
     processed scores and raw logits it was chosen from, ``[B, 1, V]`` each.
     """
     s = state
+    mode = as_mode(sample)
+    sample = mode.sample
     b, p = ids.shape
     col = torch.arange(p, device=ids.device).unsqueeze(0)
     pos = col - (p - s.prompt_lengths).unsqueeze(1)  # [B, P], negative on padding
@@ -201,7 +198,7 @@ def prefill_step(target, drafter, state: RoundState, ids: torch.Tensor, vocab: i
     s.seen.zero_()
     s.seen.scatter_add_(1, ids, real.int())
     s.counter.zero_()
-    ctx = RoundContext(s, 0, vocab, sample)
+    ctx = RoundContext(s, 0, vocab, mode)
     # gen_index of the first token is 0: process() predicts lengths + 1 + first - prompt_len
     s.lengths.copy_(s.prompt_lengths - 1)
     scores = ctx.process(logits, 0, [])  # [B, 1, V]
@@ -265,8 +262,10 @@ def record(s: RoundState, active: torch.Tensor, proposed: int, n_accepted: torch
     s.per_position[:depth].add_((reached & active.unsqueeze(1)).long().sum(dim=0))
 
 
-def round_step(target, drafter, state: RoundState, k: int, vocab: int, sample: bool, collect: bool = False):
+def round_step(target, drafter, state: RoundState, k: int, vocab: int, sample: Mode | bool, collect: bool = False):
     """One speculative round for every row; finished rows are carried along unchanged.
+    ``sample`` is the round's :class:`~specfx.sampling.Mode` (or a bare flag: every stage on).
+    K = 0 is plain decoding through the same state: no drafter, one token verified per row.
 
     Returns:
         tokens ``[B, K+1]``: emitted tokens, PLACEHOLDER past ``n_emitted``.
@@ -275,23 +274,29 @@ def round_step(target, drafter, state: RoundState, k: int, vocab: int, sample: b
         ``[B, K+1, V]`` each (emitted token i was chosen from position i).
     """
     s = state
+    mode = as_mode(sample)
+    sample = mode.sample
     s.counter.add_(1)
-    ctx = RoundContext(s, k, vocab, sample)
+    ctx = RoundContext(s, k, vocab, mode)
     active = ~s.finished
     lengths = s.lengths
 
-    proposals, q = drafter.propose(ctx)  # [B, K], [B, K, V] | None
+    if k > 0:
+        proposals, q = drafter.propose(ctx)  # [B, K], [B, K, V] | None
+    else:  # plain decoding: the drafter sits out (its state then lags; see auto_k)
+        proposals, q = lengths.new_zeros(lengths.shape[0], 0), None
+    taps = drafter.taps if k > 0 else ()
     pending = s.tokens.gather(1, lengths.unsqueeze(1))  # [B, 1]
     ids = torch.cat([pending, proposals], dim=1)  # [B, K+1]
     pos = lengths.unsqueeze(1) + torch.arange(k + 1, device=ids.device)  # [B, K+1]
-    verified = target.forward(ids, pos, pos, taps=drafter.taps)
-    logits, features = verified if drafter.taps else (verified, None)
+    verified = target.forward(ids, pos, pos, taps=taps)
+    logits, features = verified if taps else (verified, None)
     scores = ctx.process(logits, 0, list(proposals.split(1, dim=1)))
     if sample:
         p = scores.softmax(dim=-1)
-        out, n_accepted = rejection_verify(
-            p, q, proposals, ctx.uniform(_STREAM_ACCEPT, proposals.shape), ctx.uniform(_STREAM_RESAMPLE, p.shape)
-        )
+        b = proposals.shape[0]
+        u_accept, u_resample = ctx.uniform(_STREAM_ACCEPT, proposals.shape), ctx.uniform(_STREAM_RESAMPLE, (b, vocab))
+        out, n_accepted = rejection_verify(p, q, proposals, u_accept, u_resample)
     else:
         out, n_accepted = greedy_verify(scores, proposals)
 

@@ -21,7 +21,9 @@ import torch
 
 __all__ = [
     "PLACEHOLDER",
+    "Mode",
     "SamplingParams",
+    "as_mode",
     "process_logits",
     "uniform",
     "sample_from",
@@ -34,13 +36,43 @@ _MASK32 = 0xFFFFFFFF
 
 
 @dataclass(frozen=True)
+class Mode:
+    """What a round graph computes over the vocabulary: a graph constant, one graph per mode.
+
+    ``sample``: sampling (warpers, q, the rejection sampler) or greedy (an argmax).
+    ``penalty``: the repetition penalty stage runs (it needs ``[B, T, V]`` presence masks
+    built from the row's history and the round's drafts); off when the penalty is 1.
+    ``warp``: the top-k/top-p stage runs (two sorts over the vocabulary per scored position);
+    off when top_k = 0 and top_p = 1, and always off when greedy (HF warps only when sampling).
+    Temperature and the minimum-length EOS mask are elementwise and always run (at their "off"
+    values they are exact no-ops), so their values never select a graph.
+    """
+
+    sample: bool
+    penalty: bool = True
+    warp: bool = True
+
+    def __post_init__(self):
+        if not self.sample:
+            object.__setattr__(self, "warp", False)
+
+    def __bool__(self):  # a Mode where a bool was expected is a bug, not "sampling"
+        raise TypeError("Mode has no truth value: read mode.sample")
+
+
+def as_mode(mode: Mode | bool) -> Mode:
+    """A :class:`Mode` from a mode or a bare ``sample`` flag (every stage on: the general graph)."""
+    return Mode(mode) if isinstance(mode, bool) else mode
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Resolved generation parameters, as HF resolves them (see ``generate_args``).
 
-    Every value lives in a device tensor of the round state (``RoundState.values``); only
-    ``do_sample`` selects a graph (greedy rounds skip the warpers' sorts and the sampler, which
-    cost more than a small model's forward). Temperature, top-k, top-p, repetition penalty and
-    a minimum length never change a compiled graph.
+    Every value lives in a device tensor of the round state (``RoundState.values``); only which
+    stages run selects a graph (:meth:`mode`: greedy or sampling, the repetition penalty on or
+    off, the top-k/top-p sorts on or off), so temperature, top-k, top-p, the penalty and a
+    minimum length never change a compiled graph within a mode.
     """
 
     do_sample: bool
@@ -64,6 +96,11 @@ class SamplingParams:
             "min_new": self.min_new_tokens,
         }
 
+    def mode(self) -> Mode:
+        """The graph this call needs: stages at their "off" value are left out of it."""
+        v = self.device_values()
+        return Mode(self.do_sample, penalty=v["penalty"] != 1.0, warp=v["top_k"] != 0 or v["top_p"] < 1.0)
+
 
 def process_logits(
     logits: torch.Tensor,  # [B, T, V] raw model logits
@@ -71,27 +108,32 @@ def process_logits(
     presence: torch.Tensor,  # [B, T, V] bool (or broadcastable): token already in the row's sequence
     gen_index: torch.Tensor,  # [B, T] int64: index among new tokens of the token predicted here
     eos_ids: torch.Tensor,  # [E] int64, -1 = unused entry
-    warpers: bool = True,
+    mode: Mode | bool = True,
 ) -> torch.Tensor:
-    """Apply HF's processors and, with ``warpers`` (sampling: HF warps only then), its warpers,
-    in HF's order, in float32 (as HF does).
+    """Apply HF's processors and, when sampling (HF warps only then), its warpers, in HF's
+    order, in float32 (as HF does). ``mode`` (a :class:`Mode`, or a bare ``sample`` flag for
+    every stage) leaves out the stages the call has turned off; ``presence`` may then be None.
 
-    Every stage always runs with its value from ``values``; at its "off" value (penalty 1,
+    Every stage that runs takes its value from ``values``; at its "off" value (penalty 1,
     min_new 0, temperature 1, top_k 0, top_p 1) a stage returns its input exactly, so one graph
     serves every setting of its mode.
     """
+    mode = as_mode(mode)
     scores = logits.float()
     v = scores.shape[-1]
-    penalty = values["penalty"]
-    penalised = torch.where(scores < 0, scores * penalty, scores / penalty)
-    scores = torch.where(presence & (penalty != 1), penalised, scores)
+    if mode.penalty:
+        penalty = values["penalty"]
+        penalised = torch.where(scores < 0, scores * penalty, scores / penalty)
+        scores = torch.where(presence & (penalty != 1), penalised, scores)
     vocab_ids = torch.arange(v, device=scores.device)
     is_eos = (vocab_ids.unsqueeze(0) == eos_ids.unsqueeze(1)).any(dim=0)  # [V]; -1 matches nothing
     too_early = (gen_index < values["min_new"]).unsqueeze(-1)  # [B, T, 1]
     scores = scores.masked_fill(too_early & is_eos, float("-inf"))
-    if not warpers:
+    if not mode.sample:
         return scores
     scores = scores / values["temperature"]
+    if not mode.warp:
+        return scores
     # top-k: the kth largest via a sort, so k is a tensor; k = 0 (off) keeps all V
     top_k = values["top_k"]
     k = torch.where(top_k > 0, top_k, v).clamp(max=v)
@@ -169,7 +211,7 @@ def rejection_verify(
     q: torch.Tensor | None,  # [B, K, V] probabilities the drafter sampled each proposal from; None: one-hot
     proposals: torch.Tensor,  # [B, K]
     u_accept: torch.Tensor,  # [B, K] uniforms
-    u_resample: torch.Tensor,  # [B, K+1, V] uniforms
+    u_resample: torch.Tensor,  # [B, V] uniforms
 ):
     """Lossless speculative sampling (Leviathan et al. / Chen et al.); ``q=None`` for a
     deterministic drafter (prompt lookup), whose q is one-hot on its proposals.
@@ -177,24 +219,29 @@ def rejection_verify(
     Accept proposal x with probability min(1, p(x)/q(x)) via the strict test ``u·q(x) < p(x)``
     (a token with p(x) = 0 is never accepted); at the first rejection sample the correction
     from norm(max(0, p - q)) (p is not mutated); after K acceptances sample the bonus from p.
+    Only the one position a row emits from is resampled: the residual is built for that
+    ``[B, V]`` row alone, not for all K + 1.
     Returns tokens ``[B, K+1]`` and n_accepted ``[B]``.
     """
-    k = proposals.shape[1]
+    b, k, v = q.shape if q is not None else (*proposals.shape, p.shape[-1])
     idx = proposals.unsqueeze(-1)
     p_x = p[:, :k].gather(-1, idx).squeeze(-1)
-    if q is None:
-        # A deterministic drafter (q one-hot on the proposal), without building [B, K, V]:
-        # u * 1 < p(x), and max(0, p - one_hot(x)) is p with p(x) set to 0, bit for bit.
-        accept = u_accept < p_x
-        corrected = p[:, :k].scatter(-1, idx, 0.0)
-    else:
-        accept = u_accept * q.gather(-1, idx).squeeze(-1) < p_x
-        corrected = (p[:, :k] - q).clamp_min(0)
+    q_x = 1.0 if q is None else q.gather(-1, idx).squeeze(-1)
+    accept = u_accept * q_x < p_x  # q one-hot: u * 1 < p(x)
     n_accepted = accept.long().cumprod(dim=1).sum(dim=1)
-    residual = torch.cat([corrected, p[:, k:]], dim=1)  # [B, K+1, V]
+    row = n_accepted.view(b, 1, 1)
+    p_row = p.gather(1, row.expand(b, 1, v)).squeeze(1)  # [B, V]: p where the row emits
+    rejected = n_accepted < k  # else the bonus, sampled from p itself
+    at = row.clamp(max=max(k - 1, 0))
+    if q is None:
+        # max(0, p - one_hot(x)) is p with p(x) set to 0, bit for bit (no [B, K, V] one-hot)
+        x = proposals.gather(1, at.view(b, 1)) if k else proposals.new_zeros(b, 1)
+        corrected = p_row.scatter(-1, x, 0.0)
+    else:
+        corrected = (p_row - q.gather(1, at.expand(b, 1, v)).squeeze(1)).clamp_min(0)
+    residual = torch.where(rejected.unsqueeze(1), corrected, p_row)
     # p == q up to rounding leaves nothing to resample from; that position is then never
     # rejected in exact arithmetic, so falling back to p changes no probability.
-    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
-    candidates = sample_from(residual, u_resample)  # [B, K+1]
-    last = candidates.gather(1, n_accepted.unsqueeze(1)).squeeze(1)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_row)
+    last = sample_from(residual, u_resample)  # [B]
     return _emit(proposals, n_accepted, last), n_accepted

@@ -22,7 +22,7 @@ import torch
 
 from .masks import TreeView
 from .round import RoundContext, commit, record, truncate
-from .sampling import _emit, sample_from, uniform
+from .sampling import Mode, _emit, as_mode, sample_from, uniform
 from .tree import DynamicTree, TokenTree, TreeTensors
 
 __all__ = [
@@ -219,7 +219,7 @@ def tree_accept(
     return cur, sample_from(residual, u_residual), p
 
 
-def tree_round_step(target, drafter, state, tree: TokenTree | DynamicTree, vocab: int, sample: bool, collect: bool = False):
+def tree_round_step(target, drafter, state, tree: TokenTree | DynamicTree, vocab: int, sample: Mode | bool, collect: bool = False):
     """One token-tree round for every row (see the module docstring). With a
     :class:`~specfx.tree.DynamicTree` the drafter also chooses each row's tree
     (:meth:`~specfx.drafters.Drafter.propose_dynamic_tree`), and its tables replace the static
@@ -230,8 +230,10 @@ def tree_round_step(target, drafter, state, tree: TokenTree | DynamicTree, vocab
     from, ``[B, D+1, V]`` each (the root's, then the accepted path's nodes').
     """
     s = state
+    mode = as_mode(sample)
+    sample = mode.sample
     s.counter.add_(1)
-    ctx = RoundContext(s, tree.size, vocab, sample, tree=tree)
+    ctx = RoundContext(s, tree.size, vocab, mode, tree=tree)
     n, d = tree.size, tree.depth
     b = s.tokens.shape[0]
     active = ~s.finished

@@ -13,7 +13,9 @@ from transformers.generation.logits_process import (
 
 from specfx.sampling import (
     PLACEHOLDER,
+    Mode,
     SamplingParams,
+    as_mode,
     greedy_verify,
     process_logits,
     rejection_verify,
@@ -34,7 +36,7 @@ def run(p, q, proposals, n=1, seed=0):
     proposals = proposals.expand(b, -1).contiguous()
     s = torch.tensor(seed)
     ua = uniform(s, torch.tensor(1), 1, proposals.shape)
-    ur = uniform(s, torch.tensor(1), 2, p.shape)
+    ur = uniform(s, torch.tensor(1), 2, (b, p.shape[-1]))
     return rejection_verify(p, q, proposals, ua, ur)
 
 
@@ -137,10 +139,15 @@ def test_exponential_race_samples_proportionally():
         SamplingParams(do_sample=True, top_p=0.8),
         SamplingParams(do_sample=True, temperature=1.3, top_k=10, top_p=0.9, repetition_penalty=1.5),
         SamplingParams(do_sample=False, repetition_penalty=0.8),
+        SamplingParams(do_sample=False),
     ],
-    ids=["temperature", "top_k", "top_p", "all", "greedy-penalty"],
+    ids=["temperature", "top_k", "top_p", "all", "greedy-penalty", "greedy"],
 )
-def test_processors_match_transformers(params):
+@pytest.mark.parametrize("pruned", [False, True], ids=["every-stage", "call-mode"])
+def test_processors_match_transformers(params, pruned):
+    """HF's processors, with every stage in the graph (the general mode) and with only the
+    stages the call's mode keeps (SamplingParams.mode(): penalty 1 and top-k/top-p off leave
+    theirs out)."""
     torch.manual_seed(0)
     b, v = 3, 50
     logits = torch.randn(b, v) * 3
@@ -158,9 +165,10 @@ def test_processors_match_transformers(params):
     expected = hf(history, logits.clone())
     presence = torch.zeros(b, v, dtype=torch.bool).scatter_(1, history, True).unsqueeze(1)
     values = {name: torch.tensor(value) for name, value in params.device_values().items()}
-    got = process_logits(
-        logits.unsqueeze(1), values, presence, torch.zeros(b, 1, dtype=torch.long), torch.tensor([2]), warpers=params.do_sample
-    )
+    mode = params.mode() if pruned else params.do_sample
+    if pruned and not mode.penalty:
+        presence = None  # never read when the penalty stage is left out
+    got = process_logits(logits.unsqueeze(1), values, presence, torch.zeros(b, 1, dtype=torch.long), torch.tensor([2]), mode)
     assert torch.equal(got[:, 0].isinf(), expected.isinf())
     finite = ~expected.isinf()
     assert torch.allclose(got[:, 0][finite], expected[finite], rtol=1e-6, atol=1e-6)
@@ -179,9 +187,23 @@ def test_settings_off_are_exact_no_ops():
     logits[0, 1, 7] = float("-inf")
     presence = torch.rand(2, 3, 40) > 0.5
     eos = torch.tensor([3, -1, -1, -1])
-    for warpers in (False, True):
-        out = process_logits(logits, _values(), presence, torch.zeros(2, 3, dtype=torch.long), eos, warpers=warpers)
+    for sample in (False, True):
+        out = process_logits(logits, _values(), presence, torch.zeros(2, 3, dtype=torch.long), eos, sample)
         assert torch.equal(out, logits.float())
+
+
+def test_mode_leaves_out_only_stages_that_are_off():
+    """SamplingParams.mode(): the penalty stage only when the penalty is not 1, the sorts only
+    when sampling with top-k or top-p; greedy never warps; a Mode is no bool."""
+    assert SamplingParams(do_sample=False).mode() == Mode(False, penalty=False, warp=False)
+    assert SamplingParams(do_sample=False, top_k=5).mode() == Mode(False, penalty=False, warp=False)
+    assert SamplingParams(do_sample=False, repetition_penalty=1.2).mode() == Mode(False, penalty=True)
+    assert SamplingParams(do_sample=True).mode() == Mode(True, penalty=False, warp=False)
+    assert SamplingParams(do_sample=True, top_k=50).mode().warp
+    assert SamplingParams(do_sample=True, top_p=0.9).mode().warp
+    assert as_mode(True) == Mode(True, penalty=True, warp=True)
+    with pytest.raises(TypeError, match="mode.sample"):
+        bool(Mode(True))
 
 
 def test_min_new_tokens_masks_eos_only_early():
@@ -203,7 +225,7 @@ def test_deterministic_drafter_q_none_equals_one_hot_q():
     proposals = torch.randint(0, v, (b, k), generator=g)
     s = torch.tensor(7)
     ua = uniform(s, torch.tensor(1), 1, proposals.shape)
-    ur = uniform(s, torch.tensor(1), 2, p.shape)
+    ur = uniform(s, torch.tensor(1), 2, (b, v))
     with_q = rejection_verify(p, torch.nn.functional.one_hot(proposals, v).float(), proposals, ua, ur)
     without = rejection_verify(p, None, proposals, ua, ur)
     assert torch.equal(with_q[0], without[0]) and torch.equal(with_q[1], without[1])

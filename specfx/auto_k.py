@@ -1,31 +1,55 @@
-"""``num_speculative_tokens="auto"``: choose K per round without recompiling.
+"""``num_speculative_tokens="auto"``: choose K per round, K = 0 (no speculation) included,
+without recompiling.
 
-Each K in ``SpecConfig.auto_k_values`` has its own compiled round graph (compiled the first
-time the policy picks it, never again), so switching K between rounds costs nothing. The host
-chooses K only at the points where it already synchronises (every ``rounds_per_sync`` rounds,
-to check the finished flags); the counters it needs are read in that same transfer.
+Each candidate K (0 and ``SpecConfig.auto_k_values``) has its own compiled round graph,
+compiled the first time it is needed and never again, so switching K between rounds costs
+nothing. K = 0 is plain decoding through the same static cache: one token per row, the drafter
+sits out. The host chooses K only at the points where it already synchronises (every
+``rounds_per_sync`` rounds, to check the finished flags); the counters it needs are read in that
+same transfer.
 
-Policy. Model each proposal as accepted independently with probability α (given the ones
-before it were). From the device counters, every row-round contributes ``accepted``
-successes and ``accepted + 1`` trials, minus one trial when all K were accepted (no rejection
-was observed). The estimate α̂ = successes / trials is a running ratio in which older windows
-decay by ``DECAY`` per sync. Before each window K is set to
+Acceptance. Model each proposal as accepted independently with probability α (given the ones
+before it were). From the device counters, every row-round contributes ``accepted`` successes
+and ``accepted + 1`` trials, minus one trial when all K were accepted (no rejection was
+observed). The estimate α̂ = successes / trials is a running ratio in which older windows decay
+by ``DECAY`` per sync; every call starts from the same prior (α̂ = 0.5).
 
-    argmax_K  E[emitted | α̂, K] / (1 + c·K),   E[emitted] = (1 - α̂^(K+1)) / (1 - α̂)
+Cost. ``t(K)``, the time of one round with K proposals, is measured: before the first call of
+a graph shape (batch bucket, capacity, mode) the generator times the K = 0 round and the
+largest-K round (each compiled first), on the allocated state with every row finished (the
+rounds are inert; prefill then resets everything they touched), and interpolates linearly for
+the Ks between (:meth:`AutoK.round_time`). ``SpecConfig.auto_k_times`` replaces the
+measurement with given times; ``SpecConfig.auto_k_cost = c`` replaces it with the model
+``t(K) = 1 + c·K``.
 
-(the speed-up formula of Leviathan et al. 2023), where c is the cost of one more proposal
-relative to the round's fixed cost (``SpecConfig.auto_k_cost``, default the drafter's
-``proposal_cost``). Every call starts from the same prior, and K depends only on acceptance
-counts, never on timings: seeded sampling reproduces exactly, and greedy output equals plain
-greedy whatever K is chosen.
+Policy. Before each window K is set to
+
+    argmax_K  E[emitted | α̂, K] / t(K),   E[emitted] = (1 - α̂^(K+1)) / (1 - α̂),  E = 1 at K = 0
+
+(the speed-up formula of Leviathan et al. 2023). K = 0 is chosen at once when no K could pay
+even if every proposal were accepted ((K + 1) / t(K) <= 1 / t(0): speculation cannot beat
+plain decoding on this machine at this batch size); otherwise only after ``MIN_EVIDENCE``
+row-rounds of measured acceptance, so one unlucky round never turns speculation off. Once K = 0
+is chosen it stays for the rest of the call: a drafter that keeps state (a draft model's KV
+cache, a head's features) has not seen the tokens decoded without it. The next call starts
+again from the prior.
+
+Reproducibility: K depends on the acceptance counts and on the times; the counts are exact
+functions of the seed, so seeded sampling reproduces exactly given the same times. The times
+of a generator are ``spec.auto_k.times`` after its first call; pass them as
+``SpecConfig(auto_k_times=...)`` (or set ``auto_k_cost``) to reproduce a seeded run in another
+process or on another machine. Greedy output equals plain greedy whatever K is chosen.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 __all__ = ["AutoK", "expected_emitted"]
 
 DECAY = 0.8  # weight of the previous estimate per sync window
 PRIOR_ACCEPTED, PRIOR_TRIALS = 1.0, 2.0  # α̂ = 0.5 before anything is measured
+MIN_EVIDENCE = 8  # row-rounds of measured acceptance before K = 0 may be chosen on it
 
 
 def expected_emitted(alpha: float, k: int) -> float:
@@ -35,17 +59,37 @@ def expected_emitted(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
-class AutoK:
-    """Host-side K controller for one generate() call (see the module docstring)."""
+def interpolate(times: Mapping[int, float], k: int) -> float:
+    """Piecewise-linear ``t(k)`` through the measured points (constant beyond the ends)."""
+    ks = sorted(times)
+    if k <= ks[0]:
+        return float(times[ks[0]])
+    for lo, hi in zip(ks, ks[1:], strict=False):
+        if k <= hi:
+            return times[lo] + (times[hi] - times[lo]) * (k - lo) / (hi - lo)
+    return float(times[ks[-1]])
 
-    def __init__(self, k_values: tuple[int, ...], cost: float):
+
+class AutoK:
+    """Host-side K controller of a generator (see the module docstring). ``cost``: the constant
+    model ``t(K) = 1 + cost·K``; else ``times`` (given, or measured by the generator and set with
+    :meth:`reset`)."""
+
+    def __init__(self, k_values: tuple[int, ...], cost: float | None = None, times: Mapping[int, float] | None = None):
         self.k_values = k_values
+        self.candidates = (0, *k_values)
         self.cost = cost
+        self.times = dict(times) if times else None
         self.reset()
 
-    def reset(self) -> None:
-        """Start a generate() call from the prior (the device counters are zero after prefill)."""
+    def reset(self, times: Mapping[int, float] | None = None) -> None:
+        """Start a generate() call from the prior (the device counters are zero after prefill);
+        ``times``: the round times of this call's graph shape, when measured."""
+        if times is not None:
+            self.times = dict(times)
         self.successes, self.trials = PRIOR_ACCEPTED, PRIOR_TRIALS
+        self.evidence = 0  # row-rounds measured this call
+        self.off = False  # K = 0 chosen: speculation is off for the rest of the call
         self._last = (0, 0, 0)  # (accepted, row_rounds, full) counters at the previous read
         self.k = self.choose()
         self.history: list[int] = []  # K of each sync window launched, for inspection and tests
@@ -55,18 +99,36 @@ class AutoK:
         """The current estimate α̂."""
         return self.successes / self.trials
 
+    def round_time(self, k: int) -> float:
+        """t(K): measured (interpolated), or the constant model ``1 + cost·K``."""
+        if self.times:
+            return interpolate(self.times, k)
+        return 1.0 + (self.cost or 0.0) * k
+
     def choose(self) -> int:
+        if self.off:
+            return 0
+        t0 = self.round_time(0)
+        if all((k + 1) / self.round_time(k) <= 1.0 / t0 for k in self.k_values):
+            self.off = True  # even α = 1 would not pay
+            return 0
         alpha = self.alpha
-        return max(self.k_values, key=lambda k: expected_emitted(alpha, k) / (1.0 + self.cost * k))
+        pool = self.candidates if self.evidence >= MIN_EVIDENCE else self.k_values
+        k = max(pool, key=lambda k: (expected_emitted(alpha, k) if k else 1.0) / self.round_time(k))
+        self.off = k == 0
+        return k
 
     def update(self, accepted: int, row_rounds: int, per_position: list[int]) -> int:
         """Feed the cumulative device counters read at a sync; returns K for the next window."""
+        if self.off:
+            return 0
         full = per_position[self.k - 1]  # rows that accepted all K (the window ran with self.k)
         d_acc, d_rr, d_full = accepted - self._last[0], row_rounds - self._last[1], full - self._last[2]
         if d_rr > 0:
             self.successes = DECAY * self.successes + d_acc
             self.trials = DECAY * self.trials + d_acc + d_rr - d_full
+            self.evidence += d_rr
         self.k = self.choose()
         # per_position[k - 1] of the new K is the baseline for the next window's "full" count
-        self._last = (accepted, row_rounds, per_position[self.k - 1])
+        self._last = (accepted, row_rounds, per_position[self.k - 1] if self.k else 0)
         return self.k

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,8 +18,9 @@ class SpecConfig:
 
     Attributes:
         num_speculative_tokens: K, proposals per round (1..MAX_SPECULATIVE_TOKENS), or "auto":
-            K is chosen before each round among ``auto_k_values`` from the acceptance measured so
-            far in the call (one round graph per value, so no recompiles; see
+            K is chosen before each round among 0 (no speculation: plain decoding through the
+            same cache) and ``auto_k_values``, from the acceptance measured so far in the call
+            and the measured time of a round (one round graph per value, so no recompiles; see
             :mod:`specfx.auto_k` for the policy).
         compile: compile each round (and prefill) into one graph; False runs the same code eagerly.
         backend: the torch.compile backend for those graphs ("specfx": the pass pipeline then
@@ -36,9 +38,14 @@ class SpecConfig:
         min_capacity: smallest KV-buffer length per row; buffers grow in powers of two.
         auto_k_values: the K values "auto" chooses from (increasing, each in
             1..MAX_SPECULATIVE_TOKENS); each one used costs one compiled round graph.
-        auto_k_cost: for "auto", the cost of one more proposal (a draft step plus one more
-            verified position) relative to a round's fixed cost; None: the drafter's estimate
-            (``Drafter.proposal_cost``). Higher values favour smaller K.
+        auto_k_cost: for "auto", a fixed cost model instead of timing rounds: one more proposal
+            (a draft step plus one more verified position) costs ``auto_k_cost`` times a round
+            of K = 0. None (default): measured (``auto_k_times``, or timed by the generator).
+        auto_k_times: for "auto", round times per K (any unit; at least K = 0 and one other K,
+            interpolated linearly between) instead of timing the rounds; e.g. a generator's
+            measured ``spec.auto_k.times``, to reproduce its K choices (and so a seeded sampling
+            run) exactly elsewhere. None (default): timed before the first call of each graph
+            shape.
         compile_prefill: also compile prefill (one graph per batch bucket, prompt bucket and
             capacity). False (default): prefill, one forward per call, runs eagerly, so new
             prompt lengths never compile anything.
@@ -59,6 +66,7 @@ class SpecConfig:
     min_capacity: int = 256
     auto_k_values: tuple[int, ...] = (1, 2, 4, 8)
     auto_k_cost: float | None = None
+    auto_k_times: Any = None
     compile_prefill: bool = False
     max_graphs: int = 16
     tree: Any = None
@@ -94,6 +102,21 @@ class SpecConfig:
         c = self.auto_k_cost
         if c is not None and (isinstance(c, bool) or not isinstance(c, int | float) or not 0 <= c < float("inf")):
             raise ValueError(f"auto_k_cost must be None or a finite number >= 0, got {c!r}.")
+        t = self.auto_k_times
+        if t is not None:
+            if c is not None:
+                raise ValueError("auto_k_cost and auto_k_times are two cost models for 'auto'; pass one of them.")
+            ok = isinstance(t, Mapping) and 0 in t and len(t) >= 2
+            ok = ok and all(
+                isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= MAX_SPECULATIVE_TOKENS for k in t
+            )
+            ok = ok and all(isinstance(v, int | float) and not isinstance(v, bool) and 0 < v < float("inf") for v in t.values())
+            if not ok:
+                raise ValueError(
+                    f"auto_k_times must map K (0 and at least one K in [1, {MAX_SPECULATIVE_TOKENS}]) to a positive "
+                    f"round time, e.g. {{0: 1.0, 8: 2.5}} (a generator's spec.auto_k.times), got {t!r}."
+                )
+            object.__setattr__(self, "auto_k_times", {int(k): float(v) for k, v in t.items()})
         for name in ("compile", "compile_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}.")

@@ -25,17 +25,11 @@ __all__ = [
     "DEFAULT_DRAFTERS",
     "NAMED_DRAFTERS",
     "TREE_DRAFTERS",
-    "VERIFY_COST",
     "draft_chain",
     "draft_token",
     "resolve_drafter",
     "stash_at",
 ]
-
-# Cost of verifying one more position, relative to a target forward over one token: the
-# default of Drafter.proposal_cost. Batch-1 decoding reads the weights once whatever the token
-# count, so the extra position is cheap; larger batches and CPUs make it dearer.
-VERIFY_COST = 0.05
 
 # The drafters that branch (speculate(tree=...)), named by the refusals of those that do not.
 TREE_DRAFTERS = "a draft model, prompt lookup, early exit (draft='early_exit:N'), Medusa or EAGLE heads"
@@ -71,12 +65,6 @@ class Drafter:
         the emitted tokens and lengths are committed (MTP, Medusa and EAGLE heads). After a tree
         round, column i is the accepted path's node at depth i (position ``L + i``), already
         moved to slot ``L + i``; columns past the accepted path hold rejected nodes."""
-
-    def proposal_cost(self, target: ModelRunner) -> float:
-        """Estimated cost of one more proposal (drafting it and verifying its position)
-        relative to a round's fixed cost (about one target forward); the default K-selection
-        cost of ``num_speculative_tokens="auto"``. A drafter that runs no model: VERIFY_COST."""
-        return VERIFY_COST
 
     def propose(self, ctx) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Return proposals ``[B, K]`` and the probabilities ``q [B, K, V]`` each was sampled
@@ -173,12 +161,6 @@ class DraftModel(Drafter):
 
     def allocate(self, batch_size: int, capacity: int) -> None:
         self.runner.allocate(batch_size, capacity)
-
-    def proposal_cost(self, target: ModelRunner) -> float:
-        # a draft step costs about its share of the parameters (weights are read per step)
-        draft = sum(p.numel() for p in self.model.parameters())
-        full = sum(p.numel() for p in target.model.parameters())
-        return VERIFY_COST + draft / full
 
     def prefill(self, ids, positions, slots) -> None:
         # Only the KV is needed; the unused logits are removed by the graph passes.

@@ -39,7 +39,7 @@ import torch
 from torch import fx
 
 from .capture import CapturedForward, CaptureError, capture_forward, decoder_layer_names
-from .drafters import VERIFY_COST, Drafter, draft_chain
+from .drafters import Drafter, draft_chain
 from .masks import TreeView
 from .passes.early_exit import EarlyExitError, early_exit
 from .runner import ModelRunner
@@ -179,9 +179,6 @@ class EarlyExit(Drafter):
 
     def prefill(self, ids, positions, slots) -> None:
         """Nothing to do: the draft's KV for layers < N is the target's, filled by its prefill."""
-
-    def proposal_cost(self, target: ModelRunner) -> float:
-        return VERIFY_COST + self.layer / target.num_layers
 
     def _root(self, ctx) -> torch.Tensor:
         """The draft's logits ``[B, 1, V]`` at the pending token (position and slot L)."""

@@ -123,8 +123,8 @@ class SpeculativeGenerator:
         self.drafter.prepare_tree(self.tree)
         self.auto_k = None  # AutoK for num_speculative_tokens="auto"; .history lists the Ks used
         if config.num_speculative_tokens == AUTO:
-            cost = config.auto_k_cost
-            self.auto_k = AutoK(config.k_values, self.drafter.proposal_cost(self.target_runner) if cost is None else cost)
+            self.auto_k = AutoK(config.k_values, config.auto_k_cost, config.auto_k_times)
+        self._round_times: dict[tuple, dict[int, float]] = {}  # "auto": graph key -> {K: seconds}
         # proposals per round at most (buffers keep this many scratch slots past the pending token)
         self.k = max(config.k_values) if self.tree is None else self.tree.scratch_slots
         self._positions = self.k if self.tree is None else self.tree.depth  # accepted per round at most
@@ -272,7 +272,7 @@ class SpeculativeGenerator:
             self.target_runner.prepare_taps(batch, shape, taps)
         elif isinstance(shape, (TokenTree, DynamicTree)):
             self.target_runner.prepare_taps(batch, shape.size + 1, taps, tree=shape)
-        else:
+        elif shape > 0:  # K = 0 rounds (plain decoding) read no taps
             self.target_runner.prepare_taps(batch, shape + 1, taps)
 
     def _drop(self, key: tuple) -> None:
@@ -337,6 +337,7 @@ class SpeculativeGenerator:
             self.state, self._shape, self._signature = None, None, None
             for key in list(self._variants):
                 self._drop(key)
+            self._round_times.clear()  # measured on the old dtype/device
         cap = max(self.spec_config.min_capacity, self._shape[1] if self._shape else 0)
         while cap < needed:
             cap *= 2
@@ -409,8 +410,10 @@ class SpeculativeGenerator:
         collect = req.return_dict_in_generate and (req.output_scores or req.output_logits)
         steps = [] if collect else None  # per round: (scores, logits [B, T, V], n_emitted [B])
 
+        sample = req.sampling.mode()  # the graph variant: greedy/sampling and the stages in use
+        if self.auto_k is not None:
+            self.auto_k.reset(self._auto_k_times(sample, collect))
         start = time.monotonic()
-        sample = req.sampling.do_sample
         first = self._variant("prefill", bucket, sample, collect)(ids, sample, collect)
         if collect:
             first, scores, logits = first
@@ -429,8 +432,6 @@ class SpeculativeGenerator:
 
         rounds_left = req.max_new_tokens  # every round emits >= 1 token per active row
         auto, k = self.auto_k, self._round_shape()
-        if auto is not None:
-            auto.reset()
         overlap = self._overlap_reads(streamer, host_tokens, collect)
         pending = None  # overlapped reads: the previous batch of rounds' flags, on their way to the host
         while rounds_left > 0 and (overlap or not self._sync_finished()):
@@ -466,6 +467,37 @@ class SpeculativeGenerator:
         if streamer is not None:
             streamer.end()
         return self._finish(req, batch, stop_at, steps)
+
+    def _auto_k_times(self, mode, collect, warmup: int = 2, repeats: int = 5) -> dict[int, float] | None:
+        """Round times of K = 0 and the largest K for this call's graph shape, for "auto"
+        (:mod:`specfx.auto_k`): given (``auto_k_times``, ``auto_k_cost``: None, the policy
+        has them), remembered, or timed now. Timing runs each round graph (compiling it first)
+        on the allocated state with every row finished, so the rounds change nothing a
+        generation reads: prefill then rewrites the tokens, counters, caches and drafter state
+        they touched. Median of ``repeats`` after ``warmup`` calls."""
+        config = self.spec_config
+        if config.auto_k_times is not None or config.auto_k_cost is not None:
+            return None
+        key = self.graph_key("round", mode, collect)
+        times = self._round_times.get(key)
+        if times is None:
+            self.state.finished.fill_(True)
+            self.state.lengths.copy_(self.state.prompt_lengths)  # this call's rows (each >= 1), as prefill leaves them
+            times = {}
+            for k in (0, max(config.k_values)):
+                fn = self._variant("round", k, mode, collect)
+                runs = []
+                for i in range(warmup + repeats):
+                    begin = time.perf_counter()
+                    fn(k, mode, collect)
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
+                    if i >= warmup:
+                        runs.append(time.perf_counter() - begin)
+                times[k] = sorted(runs)[len(runs) // 2]
+            self._round_times[key] = times
+            logger.info("specfx: auto K round times for %s: %s", key[1:], times)
+        return times
 
     def _overlap_reads(self, streamer, host_tokens, collect) -> bool:
         """Whether this call reads the finished flags one round late (SpecConfig.overlap_reads)."""

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from .cache import SlotCache
-from .drafters import TREE_DRAFTERS, VERIFY_COST, Drafter, draft_chain, stash_at
+from .drafters import TREE_DRAFTERS, Drafter, draft_chain, stash_at
 from .graph_utils import mark_static
 from .masks import check_attn_implementation, layer_pattern, to_format, visible_slots
 from .runner import ModelRunner
@@ -241,11 +241,6 @@ class MTP(Drafter):
         with torch.no_grad():
             for i in range(self.num_layers):
                 self._layer(i, zeros, self.stash[i], zeros, trash)
-
-    def proposal_cost(self, target: ModelRunner) -> float:
-        mtp = sum(p.numel() for p in self.mtp.layers.parameters()) / max(1, self.num_layers)
-        full = sum(p.numel() for p in target.model.parameters())
-        return VERIFY_COST + mtp / full
 
     # ----------------------------------------------------------------- one MTP layer
     def _mask(self, i: int, positions: torch.Tensor) -> torch.Tensor:

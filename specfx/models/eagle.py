@@ -58,7 +58,6 @@ Contract for subclasses (EAGLE-1/2 here, EAGLE-3 in :mod:`specfx.models.eagle3`)
 * ``_allocate_kv(batch, capacity)``: set ``self.cache`` (default: a one-layer
   :class:`~specfx.cache.SlotCache`); the base then allocates the stash and runs one eager
   probe entry (writing only the trash slot) so the KV buffers exist before any compiled graph.
-* ``_num_parameters()``: the head's own parameter count, for ``proposal_cost``.
 """
 
 from __future__ import annotations
@@ -71,7 +70,7 @@ import torch
 from torch import nn
 
 from ..cache import SlotCache
-from ..drafters import VERIFY_COST, Drafter, draft_chain, stash_at
+from ..drafters import Drafter, draft_chain, stash_at
 from ..graph_utils import mark_static
 from ..masks import TreeView, check_attn_implementation, layer_pattern, mask_plan, to_format, visible_slots
 from ..runner import ModelRunner
@@ -134,13 +133,6 @@ class EagleBase(Drafter):
             # output_hidden_states call: do that here, eagerly, not inside a compiled graph
             self.target.forward(zeros, zeros, trash, taps=self.taps)
             self._entry(zeros, self.stash, zeros, trash, None)  # allocates the KV buffers
-
-    def _num_parameters(self) -> int:
-        return 0
-
-    def proposal_cost(self, target: ModelRunner) -> float:
-        full = sum(p.numel() for p in target.model.parameters())
-        return VERIFY_COST + self._num_parameters() / full
 
     # ----------------------------------------------------------------- the head (subclasses)
     def _feature(self, features: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -502,9 +494,6 @@ class Eagle(EagleBase):
         self.fc.to(device=target.device, dtype=target.dtype)
         self.layer.to(device=target.device, dtype=target.dtype)
         self.state_size = self.fc.out_features
-
-    def _num_parameters(self) -> int:
-        return sum(p.numel() for m in (self.fc, self.layer) for p in m.parameters())
 
     # ----------------------------------------------------------------- the head
     def _feature(self, features):

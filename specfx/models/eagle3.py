@@ -546,13 +546,6 @@ class Eagle3(EagleBase):
         self._follow_target()  # the generator reallocates after model.to(dtype or device)
         super()._allocate_kv(batch_size, capacity)
 
-    def _num_parameters(self) -> int:
-        return sum(
-            p.numel()
-            for m in (self.head.fc, self.head.midlayer, self.head.norm, self.head.lm_head)
-            for p in m.parameters()
-        )
-
     # ----------------------------------------------------------------- the head
     def _feature(self, features):
         fc = self.head.fc

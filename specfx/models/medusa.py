@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..drafters import VERIFY_COST, Drafter, stash_at
+from ..drafters import Drafter, stash_at
 from ..graph_utils import mark_static
 from ..runner import ModelRunner
 from ..tree_round import draft_tree
@@ -268,11 +268,6 @@ class Medusa(Drafter):
         zeros = torch.zeros((batch_size, 1), dtype=torch.long, device=target.device)
         with torch.no_grad():
             target.forward(zeros, zeros, torch.full_like(zeros, target.cache.trash_slot), taps=self.taps)
-
-    def proposal_cost(self, target: ModelRunner) -> float:
-        head = self.num_layers * self.hidden_size * (self.hidden_size + 1) + self.vocab_size * self.hidden_size
-        full = sum(p.numel() for p in target.model.parameters())
-        return VERIFY_COST + head / full
 
     def observe(self, ctx, features, positions, slots) -> None:
         """Stash each row's feature at position ``ctx.lengths - 1`` (the token before the new

@@ -258,3 +258,31 @@ def test_training_forwards_are_the_round_forwards(one_thread, arch):
         logits, feats = target_pass(runner, ids, trainer.taps)
         trainer.loss(ids, feats, logits)[0].backward()
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_eagle_feature_noise_is_seeded_bounded_and_training_only(one_thread):
+    """EAGLE's augmentation: the features the head reads (not its regression targets) carry
+    uniform noise in (-noise, noise) at a training step, the same for the same (seed, step),
+    another at another step, and none when evaluating (step None) or with noise 0."""
+    from specfx.runner import ModelRunner
+    from specfx.train import target_pass
+    from specfx.train.heads import EagleTrain
+
+    model = tiny_causal_lm("llama", vocab_size=128, num_layers=2)
+    runner = ModelRunner(model, "target")
+    runner.allocate(2, 16)
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    eagle = EagleTrain(runner, None, seed=3, noise=0.1)
+    _, (f,) = target_pass(runner, ids, eagle.taps)
+    seen = []
+    hook = eagle.drafter.fc.register_forward_pre_hook(lambda m, a: seen.append(a[0][..., -f.shape[-1] :].detach().clone()))
+    with torch.no_grad():
+        for step in (None, 5, 5, 6):
+            eagle.entries(ids, f, step)
+        eagle.noise = 0.0
+        eagle.entries(ids, f, 5)
+    hook.remove()
+    clean, a, b, c, off = (x - f[:, :-1] for x in seen)
+    assert torch.equal(clean, torch.zeros_like(clean)) and torch.equal(off, torch.zeros_like(off))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert a.abs().max() < 0.1 + 1e-6 and a.abs().max() > 0.05 and a.mean().abs() < 0.01

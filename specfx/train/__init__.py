@@ -71,6 +71,7 @@ class TrainConfig:
     medusa_layers: int = 1
     draft_vocab_size: int | None = None
     ttt_steps: int = 3
+    feature_noise: float = 0.1
     draft_layers: int = 2
     draft_hidden: int = 128
     eval_prompts: int = 4
@@ -91,6 +92,8 @@ class TrainConfig:
             raise ValueError(f"--seq-len must be >= 4, got {self.seq_len}.")
         if not self.lr > 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}.")
+        if not 0 <= self.feature_noise < float("inf"):
+            raise ValueError(f"--feature-noise must be a finite number >= 0, got {self.feature_noise}.")
         if not 0 < self.heldout_permille < 1000:
             raise ValueError(f"--heldout-permille must be in 1..999, got {self.heldout_permille}.")
 
@@ -123,7 +126,7 @@ def build_head(cfg: TrainConfig, runner, stream, tokenizer) -> TrainHead:
     if cfg.head == "medusa":
         return MedusaTrain(runner, cfg.init, cfg.medusa_heads, cfg.medusa_layers, cfg.seed)
     if cfg.head == "eagle":
-        return EagleTrain(runner, cfg.init, cfg.seed)
+        return EagleTrain(runner, cfg.init, cfg.seed, cfg.feature_noise)
     return Eagle3Train(runner, cfg.init, cfg.seed, cfg.draft_vocab_size, stream, cfg.ttt_steps)
 
 
@@ -282,7 +285,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
             logits, features = target_pass(runner, ids, head.taps)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
-        loss, acc = head.loss(ids, features, logits)
+        loss, acc = head.loss(ids, features, logits, step)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -341,6 +344,13 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="EAGLE-3 from scratch: draft vocabulary (default min(V, 32000))",
+    )
+    p.add_argument(
+        "--feature-noise",
+        type=float,
+        default=defaults.feature_noise,
+        help="EAGLE: half-width of the uniform noise added to the target features the head reads\n"
+        "(the method's augmentation; 0 turns it off; default 0.1)",
     )
     p.add_argument("--eval-ks", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument(

@@ -12,7 +12,9 @@ Notation: a window holds tokens ``x_0 .. x_{T-1}``; the target's forward over it
   is the target's own (greedy) token there, ``argmax z_{t+1+i}``, cross-entropy per head.
 * **EAGLE-1** (Li et al.): the entry at ``t`` reads ``(x_t, f_{t-1})`` and predicts ``f_t``:
   smooth-L1 regression on the feature plus 0.1 x cross-entropy of the target's LM head on the
-  prediction against the target's distribution ``softmax(z_t)``.
+  prediction against the target's distribution ``softmax(z_t)``. The input features carry the
+  method's data augmentation, uniform noise U(-0.1, 0.1) (``--feature-noise``), the regression
+  targets none.
 * **EAGLE-3** (training-time test): step 0 is the teacher-forced pass on the fused features;
   step ``k`` feeds each position the head's own step ``k - 1`` output from the position
   before, and its queries attend as they will at draft depth ``k``: to step-0 entries up to
@@ -50,15 +52,16 @@ def soft_ce(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
 
 class TrainHead:
     """A head being trained: ``module`` holds the trained parameters (its ``named_parameters``
-    name the checkpoint tensors), ``taps`` what it reads, ``loss(ids, features, logits)`` the
-    method's loss with a top-1 agreement with the target, ``save(dir)`` the public layout."""
+    name the checkpoint tensors), ``taps`` what it reads, ``loss(ids, features, logits, step)``
+    the method's loss with a top-1 agreement with the target (``step``: the training step, for
+    seeded augmentation; None when evaluating), ``save(dir)`` the public layout."""
 
     kind: str
     taps: tuple[str, ...]
     module: nn.Module
     drafter: object
 
-    def loss(self, ids, features, logits) -> tuple[torch.Tensor, float]:
+    def loss(self, ids, features, logits, step: int | None = None) -> tuple[torch.Tensor, float]:
         raise NotImplementedError
 
     def save(self, path: Path) -> Path:
@@ -105,7 +108,7 @@ class MedusaTrain(TrainHead):
             return x @ p.lm_head[0].T
         return torch.einsum("btnh,nvh->btnv", x, p.lm_head)
 
-    def loss(self, ids, features, logits):
+    def loss(self, ids, features, logits, step=None):
         labels = logits.argmax(-1)  # [B, T]: the target's own tokens for t + 1
         out = self.logits(features[0])  # [B, T, N, V]
         n, t = out.shape[2], out.shape[1]
@@ -134,22 +137,31 @@ class _EagleCommon(TrainHead):
 class EagleTrain(_EagleCommon):
     kind = "eagle"
 
-    def __init__(self, runner: ModelRunner, init: str | None, seed: int):
+    def __init__(self, runner: ModelRunner, init: str | None, seed: int, noise: float = 0.0):
         head = Eagle(init) if init is not None else Eagle.random(runner.model, seed=seed)
+        self.seed, self.noise = seed, noise
         head.bind(runner)
         head.fc.train()
         head.layer.train()
         self.module = nn.ModuleDict({"fc": head.fc, "layer": head.layer})
         self.drafter, self.taps = head, head.taps
 
-    def entries(self, ids: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    def entries(self, ids: torch.Tensor, f: torch.Tensor, step: int | None = None) -> torch.Tensor:
         """The entries at positions ``1 .. T-1`` of windows ``ids [B, T]`` with the target's
-        features ``f [B, T, H]``, teacher-forced: ``[B, T-1, H]``, the predictions of ``f_1 .. f_{T-1}``."""
+        features ``f [B, T, H]``, teacher-forced: ``[B, T-1, H]``, the predictions of ``f_1 .. f_{T-1}``.
+        At a training ``step`` the input features carry EAGLE's augmentation: uniform noise in
+        ``(-noise, noise)``, seeded by ``(seed, step)``, so the head learns to draft from the
+        slightly wrong features it feeds itself at depth > 1."""
         head = self.drafter
         tokens, pos = self.entry_inputs(ids)
         with torch.no_grad():  # the target's embedding module as the round calls it (Gemma scales it), not trained
             embeds = head.embed(tokens).to(f.dtype)
-        x = head.fc(torch.cat([embeds, f[:, :-1]], dim=-1))  # [B, T-1, H]
+        inputs = f[:, :-1]
+        if step is not None and self.noise > 0:
+            g = torch.Generator(device=f.device).manual_seed(self.seed * 1_000_003 + step)
+            u = torch.rand(inputs.shape, generator=g, device=f.device, dtype=torch.float32)
+            inputs = inputs + ((2 * u - 1) * self.noise).to(inputs.dtype)
+        x = head.fc(torch.cat([embeds, inputs], dim=-1))  # [B, T-1, H]
         kwargs = {"layer_type": head.layer_type} if head.per_layer_rope else {}
         rope = head.rotary(x, pos, **kwargs)
         n = pos.shape[1]
@@ -157,10 +169,10 @@ class EagleTrain(_EagleCommon):
         out = head.layer(x, attention_mask=mask, position_ids=pos, past_key_values=None, position_embeddings=rope)
         return out[0] if isinstance(out, tuple) else out
 
-    def loss(self, ids, features, logits):
+    def loss(self, ids, features, logits, step=None):
         head = self.drafter
         f = features[0]
-        out = self.entries(ids, f)
+        out = self.entries(ids, f, step)
         lm = head.lm_head  # the target's, read detached (its .grad never touched)
         draft = F.linear(out, lm.weight.detach(), lm.bias.detach() if getattr(lm, "bias", None) is not None else None)
         z = logits[:, 1:]
@@ -242,7 +254,7 @@ class Eagle3Train(_EagleCommon):
             yield k, out
             feature = torch.cat([out[:, :1], out[:, :-1]], dim=1)  # step k+1 at t reads step k's output at t-1
 
-    def loss(self, ids, features, logits):
+    def loss(self, ids, features, logits, step=None):
         h = self.drafter.head
         z = logits[:, 1:].index_select(-1, self.draft_ids)  # target's distribution over the draft vocabulary
         total, acc = 0.0, 0.0
@@ -286,7 +298,7 @@ class DraftTrain(TrainHead):
         self.module = draft.train()
         self.drafter, self.tokenizer = draft, tokenizer
 
-    def loss(self, ids, features, logits):
+    def loss(self, ids, features, logits, step=None):
         out = self.module(input_ids=ids).logits  # [B, T, V]
         return soft_ce(out, logits), (out.argmax(-1) == logits.argmax(-1)).float().mean().item()
 

@@ -22,6 +22,7 @@ from .graph_utils import fresh_code, release_code
 from .passes.backend import GraphRecord, GraphRecords, make_backend
 from .round import RoundState, prefill_step, round_step
 from .runner import ModelRunner
+from .sampling import Mode
 from .stats import SpecStats
 from .tree import DynamicTree, TokenTree
 from .tree_round import tree_round_step
@@ -125,6 +126,7 @@ class SpeculativeGenerator:
         if config.num_speculative_tokens == AUTO:
             self.auto_k = AutoK(config.k_values, config.auto_k_cost, config.auto_k_times)
         self._round_times: dict[tuple, dict[int, float]] = {}  # "auto": graph key -> {K: seconds}
+        self._last_mode = Mode(False, penalty=False)  # the last call's graph mode (round_fn's default)
         # proposals per round at most (buffers keep this many scratch slots past the pending token)
         self.k = max(config.k_values) if self.tree is None else self.tree.scratch_slots
         self._positions = self.k if self.tree is None else self.tree.depth  # accepted per round at most
@@ -282,13 +284,15 @@ class SpeculativeGenerator:
         if code is not None:
             release_code(code)
 
-    def round_fn(self, k: int | None = None, sample: bool = False, collect: bool = False) -> Callable:
+    def round_fn(self, k: int | None = None, sample: bool | None = None, collect: bool = False) -> Callable:
         """One round of the allocated state (after a ``generate()`` call) as a callable
         returning ``(tokens [B, K+1], n_emitted [B])``; for benchmarks. K defaults to the
-        largest K; ``sample`` chooses the sampling round (greedy by default)."""
+        largest K; ``sample`` chooses the sampling round with every processing stage in the
+        graph (True) or the greedy one (False); None (default): the last call's graph."""
         if self.state is None:
             raise RuntimeError("round_fn(): no state yet; call generate() once first.")
         k = self._round_shape() if k is None else k
+        sample = self._last_mode if sample is None else sample
 
         def one_round():
             # the modes generate() runs in: grad mode is part of the graph's guards, so a round
@@ -411,6 +415,7 @@ class SpeculativeGenerator:
         steps = [] if collect else None  # per round: (scores, logits [B, T, V], n_emitted [B])
 
         sample = req.sampling.mode()  # the graph variant: greedy/sampling and the stages in use
+        self._last_mode = sample
         if self.auto_k is not None:
             self.auto_k.reset(self._auto_k_times(sample, collect))
         start = time.monotonic()

@@ -18,6 +18,9 @@ tokens (EOS disabled per call, ``eos_token_id=None``, so every method generates 
                         batch 1 only: HF refuses assisted generation for batch > 1
     specfx_eager@K      specfx.speculate(target, draft, num_speculative_tokens=K, compile=False)
     specfx_compiled@K   the same with compile=True
+    specfx_*@auto       with ``--k ...,auto``: num_speculative_tokens="auto" (K per round among 0, i.e. no
+                        speculation, and 1, 2, 4, 8, from measured round times; the Ks it ran and its
+                        times are listed under the table)
 
 Timing: every method is warmed up once over all batches (graphs compile here, with a
 message), then the repeats are interleaved so drift of the machine hits all methods alike. A
@@ -120,7 +123,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="local model directory (safetensors), or a named drafter: prompt_lookup, early_exit:N, mtp\n"
         "(default: the shipped demo draft, or prompt_lookup when --target is given)",
     )
-    p.add_argument("--k", default="2,4,8", help="comma-separated K values (default 2,4,8)")
+    p.add_argument("--k", default="2,4,8", help="comma-separated K values, and/or 'auto' (default 2,4,8)")
     p.add_argument("--batch-sizes", default="1", help="comma-separated batch sizes, e.g. 1,4,16 (default 1)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--num-prompts", type=int, default=4, help="prompts per batch size (cycled to fill batches)")
@@ -157,13 +160,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="with --drafters: also one tree of this many nodes per drafter (module docstring)",
     )
     args = p.parse_args(argv)
+    ks = [x.strip() for x in args.k.split(",") if x.strip()]
+    args.auto = "auto" in ks
     try:
-        args.k_values = sorted({int(x) for x in args.k.split(",") if x.strip()})
+        args.k_values = sorted({int(x) for x in ks if x != "auto"})
         args.batch_values = sorted({int(x) for x in args.batch_sizes.split(",") if x.strip()})
     except ValueError:
-        p.error(f"--k and --batch-sizes take comma-separated integers, got {args.k!r} and {args.batch_sizes!r}")
-    if not args.k_values or not args.batch_values or min(args.k_values + args.batch_values) < 1:
-        p.error("--k and --batch-sizes need at least one positive integer each")
+        p.error(f"--k takes comma-separated integers or 'auto', --batch-sizes integers; got {args.k!r} and {args.batch_sizes!r}")
+    if not (args.k_values or args.auto) or not args.batch_values or min(args.k_values + args.batch_values) < 1:
+        p.error("--k needs a positive integer or 'auto', --batch-sizes a positive integer")
+    if args.auto and args.drafters is not None:
+        p.error("--k auto runs the draft model; with --drafters give integer Ks")
     if args.max_new_tokens < 1 or args.num_prompts < 1 or args.repeats < 1 or args.micro_iters < 1:
         p.error("--max-new-tokens, --num-prompts, --repeats and --micro-iters must be >= 1")
     if args.threads is not None and args.threads < 1:
@@ -285,6 +292,11 @@ def build_methods(args, target, draft, batch: int, device) -> tuple[dict, dict]:
             spec = specfx.speculate(target, draft=draft, num_speculative_tokens=k, compile=compiled)
             methods[name] = lambda b, spec=spec: spec.generate(**b, **greedy)
             specs[name] = spec
+    if args.auto and not args.drafter_names:
+        for compiled in (False, True) if not args.no_compile else (False,):
+            name = f"specfx_{'compiled' if compiled else 'eager'}@auto"
+            specs[name] = spec = specfx.speculate(target, draft=draft, num_speculative_tokens="auto", compile=compiled)
+            methods[name] = lambda b, spec=spec: spec.generate(**b, **greedy)
     if args.drafter_names:
         from ..models.demo import demo_drafter
     for d in args.drafter_names:  # the shipped drafters side by side (module docstring)
@@ -405,6 +417,10 @@ def bench_batch(args, methods, specs, batches, sync) -> dict:
                 accepted=s.accepted,
                 rounds=s.rounds,
             )
+            auto = specs[name].auto_k
+            if auto is not None:  # the last call's Ks (one per window) and the round times it chose from
+                used = {k: auto.history.count(k) for k in sorted(set(auto.history))}
+                res["auto_k"] = dict(windows_per_k=used, round_times_ms={k: 1e3 * t for k, t in (auto.times or {}).items()})
     if BASELINE in live:
         for name in live:
             results[name]["speedup_vs_hf_dynamic"] = results[BASELINE]["median_s"] / results[name]["median_s"]
@@ -425,21 +441,31 @@ def bench_batch(args, methods, specs, batches, sync) -> dict:
 
 def markdown_table(runs: dict) -> str:
     lines = [
-        "| batch | method | tokens/s | vs hf_dynamic | α | τ | same tokens as HF |",
-        "|---:|---|---:|---:|---:|---:|---|",
+        "| batch | method | tokens/s | vs hf_dynamic | vs hf_static_compiled | α | τ | same tokens as HF |",
+        "|---:|---|---:|---:|---:|---:|---:|---|",
     ]
+    autos = []
     for batch, results in runs.items():
+        best = results.get("hf_static_compiled", {})
         for name, r in results.items():
             if r["status"] != "ok":
-                lines.append(f"| {batch} | {name} | not run: {r['reason'][:80]} | | | | |")
+                lines.append(f"| {batch} | {name} | not run: {r['reason'][:80]} | | | | | |")
                 continue
             st = r.get("stats")
             a, t = (f"{st['acceptance_rate']:.3f}", f"{st['tokens_per_round']:.2f}") if st else ("", "")
             same = {True: "yes", False: "**NO**", None: ""}[r.get("same_tokens_as_hf_dynamic")]
+            vs = f"{r['tokens_per_s'] / best['tokens_per_s']:.2f}×" if best.get("status") == "ok" else ""
             lines.append(
                 f"| {batch} | {name} | {r['tokens_per_s']:.1f} | {r.get('speedup_vs_hf_dynamic', float('nan')):.2f}× "
-                f"| {a} | {t} | {same} |"
+                f"| {vs} | {a} | {t} | {same} |"
             )
+            if "auto_k" in r:
+                autos.append((batch, name, r["auto_k"]))
+    if autos:
+        lines += ["", "`auto`: sync windows per K in the last call; round times it measured (ms):", ""]
+        for batch, name, info in autos:
+            times = ", ".join(f"K={k}: {t:.2f}" for k, t in info["round_times_ms"].items())
+            lines.append(f"- batch {batch}, {name}: windows {info['windows_per_k']}; times {times}")
     rows = [(b, n, r["round_overhead"]) for b, res in runs.items() for n, r in res.items() if "round_overhead" in r]
     if rows:
         lines += [

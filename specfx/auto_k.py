@@ -15,12 +15,12 @@ observed). The estimate α̂ = successes / trials is a running ratio in which ol
 by ``DECAY`` per sync; every call starts from the same prior (α̂ = 0.5).
 
 Cost. ``t(K)``, the time of one round with K proposals, is measured: before the first call of
-a graph shape (batch bucket, capacity, mode) the generator times the K = 0 round and the
-largest-K round (each compiled first), on the allocated state with every row finished (the
-rounds are inert; prefill then resets everything they touched), and interpolates linearly for
-the Ks between (:meth:`AutoK.round_time`). ``SpecConfig.auto_k_times`` replaces the
-measurement with given times; ``SpecConfig.auto_k_cost = c`` replaces it with the model
-``t(K) = 1 + c·K``.
+a graph shape (batch bucket, capacity, mode) the generator times every candidate's round
+(each compiled first; in turn, the fastest of 7 after 2 warm-up calls) on the allocated state
+with every row finished (the rounds are inert; prefill then resets everything they touched).
+``SpecConfig.auto_k_times`` replaces the measurement with given times, interpolated linearly
+for Ks it does not list (:meth:`AutoK.round_time`); ``SpecConfig.auto_k_cost = c`` replaces it
+with the model ``t(K) = 1 + c·K``.
 
 Policy. Before each window K is set to
 

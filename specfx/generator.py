@@ -473,13 +473,15 @@ class SpeculativeGenerator:
             streamer.end()
         return self._finish(req, batch, stop_at, steps)
 
-    def _auto_k_times(self, mode, collect, warmup: int = 2, repeats: int = 5) -> dict[int, float] | None:
-        """Round times of K = 0 and the largest K for this call's graph shape, for "auto"
-        (:mod:`specfx.auto_k`): given (``auto_k_times``, ``auto_k_cost``: None, the policy
-        has them), remembered, or timed now. Timing runs each round graph (compiling it first)
-        on the allocated state with every row finished, so the rounds change nothing a
-        generation reads: prefill then rewrites the tokens, counters, caches and drafter state
-        they touched. Median of ``repeats`` after ``warmup`` calls."""
+    def _auto_k_times(self, mode, collect, warmup: int = 2, repeats: int = 7) -> dict[int, float] | None:
+        """Round times of every candidate K (0 and ``auto_k_values``) for this call's graph
+        shape, for "auto" (:mod:`specfx.auto_k`): given (``auto_k_times``, ``auto_k_cost``:
+        None, the policy has them), remembered, or timed now. Timing runs each round graph
+        (compiling it first) on the allocated state with every row finished, so the rounds
+        change nothing a generation reads: prefill then rewrites the tokens, counters, caches
+        and drafter state they touched. The Ks are timed in turn, ``repeats`` times after
+        ``warmup`` calls each, and each K keeps its fastest time: load from other processes
+        only ever adds time, and taking turns spreads its drift over every K alike."""
         config = self.spec_config
         if config.auto_k_times is not None or config.auto_k_cost is not None:
             return None
@@ -488,18 +490,17 @@ class SpeculativeGenerator:
         if times is None:
             self.state.finished.fill_(True)
             self.state.lengths.copy_(self.state.prompt_lengths)  # this call's rows (each >= 1), as prefill leaves them
-            times = {}
-            for k in (0, max(config.k_values)):
-                fn = self._variant("round", k, mode, collect)
-                runs = []
-                for i in range(warmup + repeats):
+            ks = (0, *config.k_values)
+            fns = {k: self._variant("round", k, mode, collect) for k in ks}
+            times = {k: float("inf") for k in ks}
+            for i in range(warmup + repeats):
+                for k in ks:
                     begin = time.perf_counter()
-                    fn(k, mode, collect)
+                    fns[k](k, mode, collect)
                     if self.device.type == "cuda":
                         torch.cuda.synchronize(self.device)
                     if i >= warmup:
-                        runs.append(time.perf_counter() - begin)
-                times[k] = sorted(runs)[len(runs) // 2]
+                        times[k] = min(times[k], time.perf_counter() - begin)
             self._round_times[key] = times
             logger.info("specfx: auto K round times for %s: %s", key[1:], times)
         return times

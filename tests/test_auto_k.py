@@ -148,8 +148,8 @@ def test_sampling_with_auto_matches_exact_distribution():
 
 @pytest.mark.compiled
 def test_one_graph_per_k_and_no_recompiles(one_thread):
-    """Dynamo-captured rounds (specfx passes, no Inductor, to keep it fast): each K used adds
-    exactly one round graph, once; later calls with any prompt add none."""
+    """Dynamo-captured rounds (specfx passes, no Inductor, to keep it fast): each candidate K
+    has exactly one round graph, compiled once; later calls with any prompt add none."""
     target = _copying("llama")
     spec = specfx.speculate(target, num_speculative_tokens="auto", auto_k_values=(1, 4), backend="specfx_eager")
     used = set()
@@ -159,10 +159,10 @@ def test_one_graph_per_k_and_no_recompiles(one_thread):
         assert torch.equal(spec.generate(ids, max_new_tokens=new), target.generate(ids, max_new_tokens=new))
         used |= set(spec.auto_k.history)
         counts.append(len(spec.graphs))
-        # one round graph per K used so far, and K = 0 and the largest K, timed before the first
-        # call (prefill runs eagerly)
-        assert len(spec.graphs) == len(used | {0, 4})
-    assert used <= {0, 1, 4} and spec.auto_k.times.keys() == {0, 4}
+        # one round graph per candidate K (0, 1, 4), all timed before the first call, and
+        # nothing else (prefill runs eagerly)
+        assert len(spec.graphs) == 3
+    assert used <= {0, 1, 4} and spec.auto_k.times.keys() == {0, 1, 4}
     assert counts[-1] == counts[-2] == counts[-3]  # warm: nothing compiled any more
 
 
@@ -194,7 +194,7 @@ def test_bad_auto_configuration(kwargs, pattern):
 
 
 def test_round_times_are_measured_once_per_shape_and_reproduce_elsewhere(one_thread):
-    """Default: K = 0 and the largest K are timed before the first call of a shape (inert
+    """Default: every candidate K is timed before the first call of a shape (inert
     rounds: outputs stay equal to generate()); auto_k_times replays them in another generator,
     which then picks the same Ks and, seeded, samples the same tokens; auto_k_cost replaces the
     timing with the fixed model."""
@@ -203,14 +203,14 @@ def test_round_times_are_measured_once_per_shape_and_reproduce_elsewhere(one_thr
     spec = specfx.speculate(target, draft=draft, num_speculative_tokens="auto", auto_k_values=(1, 3), compile=False)
     assert torch.equal(spec.generate(ids, max_new_tokens=20), target.generate(ids, max_new_tokens=20))
     times = spec.auto_k.times
-    assert times.keys() == {0, 3} and all(t > 0 for t in times.values())
+    assert times.keys() == {0, 1, 3} and all(t > 0 for t in times.values())
     spec.generate(ids, max_new_tokens=20)
     assert spec.auto_k.times == times  # not measured again for the same shape
     kw = dict(do_sample=True, max_new_tokens=30)
     torch.manual_seed(5)
     a, ka = spec.generate(ids, **kw), list(spec.auto_k.history)
     sampled = spec.auto_k.times  # the sampling round is another graph, timed on its first call
-    assert sampled.keys() == {0, 3}
+    assert sampled.keys() == {0, 1, 3}
     other = specfx.speculate(
         target, draft=draft, num_speculative_tokens="auto", auto_k_values=(1, 3), auto_k_times=sampled, compile=False
     )

@@ -103,10 +103,18 @@ class SpeculativeGenerator:
         self.drafter = resolve_drafter(draft, model)
         self.drafter.bind(self.target_runner)
         self.target_runner.check_taps(self.drafter.taps)  # the hidden states it reads exist
+        own_tree = self.drafter.round_tree()  # a drafter that fixes the round's shape (lookahead)
+        if own_tree is not None:
+            if config.tree is not None or config.num_speculative_tokens == AUTO:
+                raise ValueError(
+                    f"the {self.drafter.name} drafter fixes each round's shape itself ({own_tree.size} nodes); "
+                    f"drop tree= and num_speculative_tokens='auto' (set the drafter's own parameters instead)."
+                )
+            config = dataclasses.replace(config, tree=own_tree)
         self.spec_config = config
         # a tree round, or None: a chain of K (a tree that is a short chain runs as that chain)
         self.tree = config.tree
-        if self.tree is not None and self.tree.is_chain and self.tree.size <= MAX_SPECULATIVE_TOKENS:
+        if own_tree is None and self.tree is not None and self.tree.is_chain and self.tree.size <= MAX_SPECULATIVE_TOKENS:
             config = dataclasses.replace(config, num_speculative_tokens=self.tree.size, tree=None)
             self.spec_config, self.tree = config, None
         if self.tree is not None:
@@ -126,7 +134,7 @@ class SpeculativeGenerator:
             cost = config.auto_k_cost
             self.auto_k = AutoK(config.k_values, self.drafter.proposal_cost(self.target_runner) if cost is None else cost)
         # proposals per round at most (buffers keep this many scratch slots past the pending token)
-        self.k = max(config.k_values) if self.tree is None else self.tree.scratch_slots
+        self.k = max(config.k_values) if self.tree is None else self.tree.scratch_slots + self.drafter.branch_slots
         self._positions = self.k if self.tree is None else self.tree.depth  # accepted per round at most
         self.vocab = self.target_runner.vocab_size
         self.state: RoundState | None = None

@@ -130,6 +130,38 @@ def test_left_padded_batch_matches_batched_generate(arch, one_thread):
     assert torch.equal(spec.generate(ids, **kw), target.generate(ids, **kw))
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_committed_kv_equals_a_fresh_prefill(arch, one_thread):
+    """The branch's KV (scratch slots past the tree's) is never committed: after lookahead
+    rounds with accepted guesses the target's KV at every committed slot equals a fresh
+    prefill of the emitted tokens (gemma2: sliding-window and full layers, left padding)."""
+    from tests.test_tree import _assert_cache_matches, _fresh_kv
+
+    target = pair(arch, "self")[0]
+    spec = specfx.speculate(target, draft="lookahead:4,3,3", compile=False)
+    ids, mask = left_padded(12, [4, 0, 2], seed=5, vocab=8)
+    kw = dict(attention_mask=mask, max_new_tokens=30, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(spec.generate(ids, **kw), target.generate(ids, **kw))
+    assert spec.stats.accepted > 0, spec.stats  # some guesses' KV was moved into place
+    lengths = spec.state.lengths[:3].tolist()
+    tokens = spec.state.tokens[:3, : max(lengths)]
+    _assert_cache_matches(spec.target_runner.cache, _fresh_kv(target, tokens), lengths)
+
+
+def test_return_dict_matches_hf(one_thread):
+    """Per-step scores and logits are those of the verified path (the branch's columns are
+    cut off before acceptance), with a repetition penalty, batch 2."""
+    target = pair("llama", "self")[0]
+    spec = specfx.speculate(target, draft="lookahead:4,3,2", compile=False)
+    ids, mask = left_padded(9, [0, 3], seed=11, vocab=8)
+    kw = dict(attention_mask=mask, max_new_tokens=12, repetition_penalty=1.3, eos_token_id=None, pad_token_id=0)
+    kw.update(return_dict_in_generate=True, output_scores=True, output_logits=True)
+    ours, hf = spec.generate(ids, **kw), target.generate(ids, **kw)
+    assert torch.equal(ours.sequences, hf.sequences)
+    for a, b in zip(ours.scores + ours.logits, hf.scores + hf.logits, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
 def test_pool_hits_on_a_small_vocabulary(one_thread):
     """On a 6-token vocabulary the Jacobi window soon finds the n-grams the target emits:
     guesses are accepted (τ > 1.5), and the output is still plain greedy's."""

@@ -98,7 +98,9 @@ class Drafter:
     def propose_tree(self, ctx) -> torch.Tensor:
         """A token for every node of ``ctx.token_tree``: ``[B, N]``, node n's in column n - 1.
         Child ``r`` of a node must be a deterministic choice (the drafter's r-th most likely
-        token there): tree verification treats every proposal as one-hot."""
+        token there): tree verification treats every proposal as one-hot. A drafter may also
+        return ``(tokens, parents [B, N+1])``: each row's own tree of N nodes (parents before
+        children, no deeper than ``ctx.token_tree``), verified in its place (lookahead's trie)."""
         raise NotImplementedError
 
     # EAGLE-2's dynamic trees (TokenTree.eagle2()): drafters that score their nodes as they draft.

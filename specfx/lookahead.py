@@ -5,10 +5,11 @@ Each round's target forward (:func:`specfx.tree_round.tree_round_step`) carries,
 pending token:
 
 * the *verification branch*: up to G n-grams from the row's pool whose first token is the
-  pending token, as a tree of G chains of N - 1 nodes (most recent n-gram first), verified and
-  accepted like any token tree (greedy: the first chain whose tokens the target's argmax
-  follows, as deep as it follows; sampling: the tree acceptance's lossless multi-candidate
-  rule, every guess being a deterministic proposal);
+  pending token (most recent first), laid out as a per-row trie on G * (N - 1) nodes
+  (:func:`candidate_trie`: guesses with a common prefix share its nodes), verified and
+  accepted like any token tree (greedy: the longest guess the target's argmax agrees with;
+  sampling: the tree acceptance's lossless multi-candidate rule, every guess being a
+  deterministic proposal);
 * the *lookahead branch* (a :class:`~specfx.tree_round.Branch`): the Jacobi window, N - 1
   levels of W tokens. Level 0 is the pending token followed by W - 1 guesses; the token at
   level l, column j sits at position ``L + l + j`` and sees the committed prefix, level 0's
@@ -37,7 +38,7 @@ from .runner import ModelRunner
 from .tree import MAX_TREE_NODES, TokenTree
 from .tree_round import Branch
 
-__all__ = ["MAX_NGRAM", "Lookahead", "branch_layout", "from_name", "pool_candidates"]
+__all__ = ["MAX_NGRAM", "Lookahead", "branch_layout", "candidate_trie", "from_name", "pool_candidates"]
 
 MAX_NGRAM = 16  # the Jacobi window has N - 1 levels; longer n-grams only grow the forward
 MAX_WINDOW = 64
@@ -75,6 +76,26 @@ def pool_candidates(
     rank = torch.arange(m, device=keys.device)
     pick = torch.where(keep, m - rank, -1 - rank).topk(guesses, dim=1).indices  # kept first, in order
     return cand.gather(1, pick.unsqueeze(-1).expand(-1, -1, cand.shape[-1]))
+
+
+def candidate_trie(cand: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lay ``cand [B, G, D]`` (G guesses of D tokens per row) out as a trie on the G-chain
+    tree's N = G * D nodes: returns ``(tokens [B, N], parents [B, N+1])`` with node
+    ``(d - 1) * G + g + 1`` holding guess g's token at depth d (depth-major, as the static tree).
+
+    Guess g's node at depth d hangs under the node at depth d - 1 of the first guess sharing
+    its first d - 1 tokens, so guesses with a common prefix share the path to it and the walk
+    can follow any guess as far as the target agrees with it (greedy: the longest matching
+    guess). A node whose first d tokens repeat an earlier guess's is a repeated sibling of that
+    guess's node: the walk tries the earlier one first, and a repeat is never accepted (its
+    probability is 0 in the sampling walk)."""
+    b, g, d = cand.shape
+    same = (cand.unsqueeze(2) == cand.unsqueeze(1)).long().cumprod(dim=-1)  # [B, G, G', D]: first t+1 equal
+    first = same.argmax(dim=2)  # [B, G, D]: the first guess sharing g's first t + 1 tokens
+    base = torch.arange(d - 1, device=cand.device).view(1, d - 1, 1) * g + 1  # node number of (0, depth t + 1)
+    above = first[:, :, : d - 1].transpose(1, 2) + base  # [B, D-1, G]: parents of depths 2..D
+    parents = torch.cat([torch.zeros((b, 1 + g), dtype=torch.long, device=cand.device), above.reshape(b, -1)], dim=1)
+    return cand.transpose(1, 2).reshape(b, g * d), parents
 
 
 def _int_in(name: str, v, low: int, high: int) -> None:
@@ -157,8 +178,7 @@ class Lookahead(Drafter):
     def propose_tree(self, ctx) -> torch.Tensor:
         pending = ctx.tokens.gather(1, ctx.lengths.unsqueeze(1)).squeeze(1)  # [B]
         cand = pool_candidates(self.keys, self.ngrams, self.stamps, pending, self.guesses)  # [B, G, N-1]
-        # node (g, 0, ..., 0) at depth d is node (d - 1) * G + g + 1: depth-major order
-        return cand.transpose(1, 2).reshape(cand.shape[0], -1)
+        return candidate_trie(cand)
 
     def branch(self, ctx) -> Branch:
         device = self.traj.device

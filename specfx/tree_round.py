@@ -274,7 +274,10 @@ def tree_round_step(target, drafter, state, tree: TokenTree | DynamicTree, vocab
         proposals, parents = drafter.propose_dynamic_tree(ctx)  # [B, N], [B, N+1]
         ctx.tree = TreeTensors.from_parents(parents, d)
     else:
-        proposals = drafter.propose_tree(ctx)  # [B, N]
+        proposals = drafter.propose_tree(ctx)  # [B, N], or with per-row parents [B, N+1]
+        if isinstance(proposals, tuple):
+            proposals, parents = proposals
+            ctx.tree = TreeTensors.from_parents(parents, d)
     tt = ctx.tree
     pending = s.tokens.gather(1, lengths.unsqueeze(1))  # [B, 1]
     ids = torch.cat([pending, proposals], dim=1)  # [B, N+1]

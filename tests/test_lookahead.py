@@ -11,8 +11,9 @@ import torch
 from transformers import LogitsProcessorList
 
 import specfx
-from specfx.lookahead import Lookahead, branch_layout, pool_candidates
+from specfx.lookahead import Lookahead, branch_layout, candidate_trie, pool_candidates
 from specfx.passes.no_host_sync import offending_nodes
+from specfx.tree import TreeTensors
 from tests.conftest import left_padded, pair
 from tests.test_lossless import _chisquare, _exact, _models
 from tests.test_prompt_lookup import _repeating_prompt
@@ -59,6 +60,29 @@ def test_pool_candidates_most_recent_first_distinct_and_keyed():
     # rows are independent
     two = pool_candidates(keys.repeat(2, 1), ngrams.repeat(2, 1, 1), stamps.repeat(2, 1), torch.tensor([7, 5]), 1)
     assert two.tolist() == [[[9, 9]], [[6, 6]]]
+
+
+def test_candidate_trie_shares_prefixes():
+    cand = torch.tensor([[[1, 2, 3], [1, 2, 4], [1, 5, 6], [7, 8, 9]]])  # G = 4 guesses of 3
+    tokens, parents = candidate_trie(cand)
+    # nodes 1-4: depth 1 of guesses 0-3; 5-8 depth 2; 9-12 depth 3
+    assert tokens.tolist() == [[1, 1, 1, 7, 2, 2, 5, 8, 3, 4, 6, 9]]
+    # depth 1: all under the root (guesses 1, 2 repeat guess 0's "1": siblings tried after it);
+    # depth 2: guesses 0-2 share "1" -> under node 1; guess 3 under its own node 4;
+    # depth 3: guesses 0, 1 share "1 2" -> under node 5; guess 2 under node 7; guess 3 under node 8
+    assert parents.tolist() == [[0, 0, 0, 0, 0, 1, 1, 1, 4, 5, 5, 7, 8]]
+    tt = TreeTensors.from_parents(parents, 3)
+    # the path to guess 1's last token runs through guess 0's first two nodes
+    assert tt.path[0, 10].tolist() == [0, 1, 5, 10]
+    # a greedy walk where the target continues 1 5 6: the longest guess, guess 2, is accepted
+    from specfx.tree_round import tree_accept
+
+    want = {0: 1, 1: 5, 7: 6, 11: 0}  # argmax at the root, at node 1, at node 7, at node 11
+    scores = torch.full((1, 13, 10), -1.0)
+    for node, tok in want.items():
+        scores[0, node, tok] = 1.0
+    stop, last, _ = tree_accept(scores, torch.cat([torch.tensor([[0]]), tokens], dim=1), tt, False)
+    assert (int(stop), int(last)) == (11, 0)
 
 
 class _Recording(Lookahead):

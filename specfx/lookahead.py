@@ -102,7 +102,7 @@ def _int_in(name: str, v, low: int, high: int) -> None:
     if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
         raise ValueError(
             f"Lookahead {name} must be an int in [{low}, {high}], got {v!r}. Typical: "
-            f"Lookahead(window=8, ngram=4, guesses=8)."
+            f"Lookahead(window=4, ngram=3, guesses=2)."
         )
 
 
@@ -126,7 +126,7 @@ class Lookahead(Drafter):
     name = "lookahead"
     supports_tree = True
 
-    def __init__(self, window: int = 8, ngram: int = 4, guesses: int = 8, pool: int | None = None):
+    def __init__(self, window: int = 4, ngram: int = 3, guesses: int = 2, pool: int | None = None):
         _int_in("window", window, 1, MAX_WINDOW)
         _int_in("ngram", ngram, 2, MAX_NGRAM)
         _int_in("guesses", guesses, 1, MAX_TREE_NODES)

@@ -246,14 +246,20 @@ def test_named_and_refused_combinations():
 # --------------------------------------------------------------------------- compiled
 @pytest.mark.compiled
 def test_compiled_lookahead_round(one_thread):
-    """One Inductor-compiled round: greedy equality on two prompts (the second call compiles
-    nothing), one graph, no host-sync ops, guesses accepted."""
+    """Inductor-compiled rounds: greedy equality on two batch-1 prompts (the second call
+    compiles nothing: one graph) and on a left-padded batch of 2 (its own batch bucket: one
+    more graph), no host-sync ops in either, guesses accepted."""
     target, _ = _models()
     spec = specfx.speculate(target, draft=Lookahead(window=4, ngram=3, guesses=2), compile=True)
+    kw = dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
     for prompt_ids in ([1, 4, 2, 1, 4], [3, 3, 5, 1, 2, 1]):
         ids = torch.tensor([prompt_ids])
-        kw = dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
         assert torch.equal(spec.generate(ids, **kw), target.generate(ids, **kw))
+        assert spec.stats.accepted > 0
     assert len(spec.graphs) == 1
-    assert offending_nodes(spec.graphs[0].graph_module) == []
-    assert spec.stats.accepted > 0
+    ids = torch.tensor([[5, 5, 1, 4, 2, 1, 4], [3, 3, 3, 5, 1, 2, 1]])
+    mask = (torch.arange(7) >= torch.tensor([[2], [0]])).long()
+    assert torch.equal(spec.generate(ids, attention_mask=mask, **kw), target.generate(ids, attention_mask=mask, **kw))
+    assert len(spec.graphs) == 2
+    for g in spec.graphs:
+        assert offending_nodes(g.graph_module) == []

@@ -83,7 +83,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--lookahead",
         nargs="+",
-        default=["8,4,8"],
+        default=["4,3,2", "8,4,8"],
         help="lookahead configurations W,N,G (window, ngram, guesses), one method each; 'none' for none",
     )
     add_run_options(p, "drafters.json")

@@ -140,7 +140,7 @@ class Drafter:
 
     # Extra query tokens in the tree round's target forward (lookahead's Jacobi branch): their
     # outputs are never accepted, their KV goes to scratch slots past the tree's and is never
-    # committed, and no tree node sees them.
+    # committed, and no tree node sees them. Not with taps (speculate() refuses the pair).
     branch_slots = 0  # scratch slots the branch writes past the tree's (its token count E)
 
     def branch(self, ctx):

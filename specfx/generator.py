@@ -111,6 +111,8 @@ class SpeculativeGenerator:
                     f"drop tree= and num_speculative_tokens='auto' (set the drafter's own parameters instead)."
                 )
             config = dataclasses.replace(config, tree=own_tree)
+        if self.drafter.branch_slots and self.drafter.taps:  # taps are captured per forward shape (N + 1 tokens)
+            raise ValueError(f"the {self.drafter.name} drafter both reads hidden-state taps and adds a branch; unsupported.")
         self.spec_config = config
         # a tree round, or None: a chain of K (a tree that is a short chain runs as that chain)
         self.tree = config.tree

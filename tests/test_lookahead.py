@@ -243,6 +243,15 @@ def test_named_and_refused_combinations():
         specfx.speculate(target, draft="lookahead", num_speculative_tokens="auto", compile=False)
 
 
+def test_a_branch_with_taps_is_refused():
+    class Tapping(Lookahead):
+        taps = ("final",)
+
+    target = pair("llama", "self")[0]
+    with pytest.raises(ValueError, match=r"both reads hidden-state taps and adds a branch"):
+        specfx.speculate(target, draft=Tapping(), compile=False)
+
+
 # --------------------------------------------------------------------------- compiled
 @pytest.mark.compiled
 def test_compiled_lookahead_round(one_thread):

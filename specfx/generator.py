@@ -123,7 +123,8 @@ class SpeculativeGenerator:
             drafter_refusal = self.drafter.dynamic_tree_refusal if isinstance(self.tree, DynamicTree) else self.drafter.tree_refusal
             for why in (self.target_runner.tree_refusal(), drafter_refusal()):
                 if why is not None:
-                    raise ValueError(f"speculate(tree=...): {why}")
+                    where = f"draft={self.drafter.name!r} (it verifies a token tree each round)" if own_tree else "tree=..."
+                    raise ValueError(f"speculate({where}): {why}")
         if isinstance(self.tree, DynamicTree) and self.tree.branching > self.target_runner.vocab_size:
             raise ValueError(
                 f"speculate(tree={self.tree!r}): branching={self.tree.branching} exceeds the target's vocabulary "

@@ -186,6 +186,31 @@ def test_return_dict_matches_hf(one_thread):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+CONFORMANCE = ("mistral", "qwen3", "gemma2", "phi3", "gpt_neox", "opt", "falcon", "mixtral", "qwen2_moe")
+
+
+@pytest.mark.parametrize("arch", CONFORMANCE)
+def test_conformance_subset_greedy_equals_hf(arch, one_thread):
+    """The conformance matrix's tree check with lookahead: batch 1 and a ragged left-padded
+    batch (prompts past a sliding window of 8 where the model has one), eager."""
+    from tests.conftest import prompt
+    from tests.models.test_conformance import _check_greedy, _pair, _ragged
+
+    target, _ = _pair(arch)
+    spec = specfx.speculate(target, draft="lookahead:4,3,3", compile=False)
+    no_eos = dict(eos_token_id=None)
+    _check_greedy(spec, target, prompt(10, seed=3), None, 16, **no_eos)
+    _check_greedy(spec, target, *_ragged(batch=2), 16, **no_eos)
+
+
+@pytest.mark.parametrize("arch", ["bloom", "mpt"])
+def test_models_that_refuse_trees_refuse_lookahead(arch):
+    from tests.models.test_conformance import _pair
+
+    with pytest.raises(ValueError, match=r"speculate\(draft='lookahead' \(it verifies a token tree each round\)\): "):
+        specfx.speculate(_pair(arch)[0], draft="lookahead", compile=False)
+
+
 def test_pool_hits_on_a_small_vocabulary(one_thread):
     """On a 6-token vocabulary the Jacobi window soon finds the n-grams the target emits:
     guesses are accepted (τ > 1.5), and the output is still plain greedy's."""

@@ -1,7 +1,7 @@
 """specfx: speculative decoding for any Hugging Face causal LM, one compiled graph per round.
 
 Top-level API: :func:`speculate`, :class:`SpeculativeGenerator`, :class:`SpecConfig`,
-:class:`SpecStats`, :class:`TokenTree`, :class:`PromptLookup`, :class:`EarlyExit`,
+:class:`SpecStats`, :class:`TokenTree`, :class:`PromptLookup`, :class:`Lookahead`, :class:`EarlyExit`,
 :class:`MTP`, and heads that read the target's hidden states: :class:`Medusa`, :class:`Eagle`
 (EAGLE-1/2), :class:`Eagle3`. Building blocks: :mod:`specfx.passes` (FX passes and the ``specfx``
 torch.compile backend), :mod:`specfx.drafters`, :mod:`specfx.sampling`.
@@ -11,6 +11,7 @@ from .config import MAX_SPECULATIVE_TOKENS, SpecConfig
 from .drafters import Drafter, DraftModel
 from .early_exit import EarlyExit
 from .generator import SpeculativeGenerator, speculate
+from .lookahead import Lookahead
 from .models.eagle import Eagle
 from .models.eagle3 import Eagle3
 from .models.medusa import Medusa
@@ -29,6 +30,7 @@ __all__ = [
     "SpecStats",
     "TokenTree",
     "PromptLookup",
+    "Lookahead",
     "EarlyExit",
     "MTP",
     "Medusa",

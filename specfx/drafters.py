@@ -86,7 +86,9 @@ class Drafter:
     def propose_tree(self, ctx) -> torch.Tensor:
         """A token for every node of ``ctx.token_tree``: ``[B, N]``, node n's in column n - 1.
         Child ``r`` of a node must be a deterministic choice (the drafter's r-th most likely
-        token there): tree verification treats every proposal as one-hot."""
+        token there): tree verification treats every proposal as one-hot. A drafter may also
+        return ``(tokens, parents [B, N+1])``: each row's own tree of N nodes (parents before
+        children, no deeper than ``ctx.token_tree``), verified in its place (lookahead's trie)."""
         raise NotImplementedError
 
     # EAGLE-2's dynamic trees (TokenTree.eagle2()): drafters that score their nodes as they draft.
@@ -116,6 +118,27 @@ class Drafter:
     def commit_tree(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """After a tree round: move any per-row KV of the accepted path from slots ``src
         [B, D]`` to ``dst [B, D]`` (see :meth:`specfx.cache.SlotCache.move`)."""
+
+    # Drafters that fix the round's tree themselves (lookahead: G chains of N - 1) return it
+    # here; speculate() then refuses tree= and num_speculative_tokens="auto".
+    def round_tree(self):
+        """The :class:`~specfx.tree.TokenTree` every round of this drafter verifies, or None
+        (the default: the round's shape comes from ``tree=`` / ``num_speculative_tokens``)."""
+        return None
+
+    # Extra query tokens in the tree round's target forward (lookahead's Jacobi branch): their
+    # outputs are never accepted, their KV goes to scratch slots past the tree's and is never
+    # committed, and no tree node sees them. Not with taps (speculate() refuses the pair).
+    branch_slots = 0  # scratch slots the branch writes past the tree's (its token count E)
+
+    def branch(self, ctx):
+        """A :class:`specfx.tree_round.Branch` of ``branch_slots`` tokens to run in this tree
+        round's target forward, or None (the default)."""
+        return None
+
+    def observe_branch(self, ctx, root_logits: torch.Tensor, logits: torch.Tensor) -> None:
+        """The target's raw logits at the pending token ``[B, 1, V]`` and at the branch's tokens
+        ``[B, E, V]``, right after the round's forward (before acceptance is committed)."""
 
 
 def draft_token(ctx, logits: torch.Tensor, i: int, proposals: list, qs: list) -> torch.Tensor:
@@ -237,6 +260,7 @@ def draft_chain(ctx, first_logits: torch.Tensor, step: Callable[[int, list], tor
 # imported first (or register itself as a side effect of being imported).
 NAMED_DRAFTERS: dict[str, str | Callable[[str | None], Drafter]] = {
     "prompt_lookup": "specfx.prompt_lookup:from_name",
+    "lookahead": "specfx.lookahead:from_name",
     "early_exit": "specfx.early_exit:from_name",
     "mtp": "specfx.mtp:from_name",
     "medusa": "specfx.models.medusa:from_name",  # draft="medusa:DIR"

@@ -104,17 +104,28 @@ class SpeculativeGenerator:
         self.drafter = resolve_drafter(draft, model)
         self.drafter.bind(self.target_runner)
         self.target_runner.check_taps(self.drafter.taps)  # the hidden states it reads exist
+        own_tree = self.drafter.round_tree()  # a drafter that fixes the round's shape (lookahead)
+        if own_tree is not None:
+            if config.tree is not None or config.num_speculative_tokens == AUTO:
+                raise ValueError(
+                    f"the {self.drafter.name} drafter fixes each round's shape itself ({own_tree.size} nodes); "
+                    f"drop tree= and num_speculative_tokens='auto' (set the drafter's own parameters instead)."
+                )
+            config = dataclasses.replace(config, tree=own_tree)
+        if self.drafter.branch_slots and self.drafter.taps:  # taps are captured per forward shape (N + 1 tokens)
+            raise ValueError(f"the {self.drafter.name} drafter both reads hidden-state taps and adds a branch; unsupported.")
         self.spec_config = config
         # a tree round, or None: a chain of K (a tree that is a short chain runs as that chain)
         self.tree = config.tree
-        if self.tree is not None and self.tree.is_chain and self.tree.size <= MAX_SPECULATIVE_TOKENS:
+        if own_tree is None and self.tree is not None and self.tree.is_chain and self.tree.size <= MAX_SPECULATIVE_TOKENS:
             config = dataclasses.replace(config, num_speculative_tokens=self.tree.size, tree=None)
             self.spec_config, self.tree = config, None
         if self.tree is not None:
             drafter_refusal = self.drafter.dynamic_tree_refusal if isinstance(self.tree, DynamicTree) else self.drafter.tree_refusal
             for why in (self.target_runner.tree_refusal(), drafter_refusal()):
                 if why is not None:
-                    raise ValueError(f"speculate(tree=...): {why}")
+                    where = f"draft={self.drafter.name!r} (it verifies a token tree each round)" if own_tree else "tree=..."
+                    raise ValueError(f"speculate({where}): {why}")
         if isinstance(self.tree, DynamicTree) and self.tree.branching > self.target_runner.vocab_size:
             raise ValueError(
                 f"speculate(tree={self.tree!r}): branching={self.tree.branching} exceeds the target's vocabulary "
@@ -128,7 +139,7 @@ class SpeculativeGenerator:
         self._round_times: dict[tuple, dict[int, float]] = {}  # "auto": graph key -> {K: seconds}
         self._last_mode = Mode(False, penalty=False)  # the last call's graph mode (round_fn's default)
         # proposals per round at most (buffers keep this many scratch slots past the pending token)
-        self.k = max(config.k_values) if self.tree is None else self.tree.scratch_slots
+        self.k = max(config.k_values) if self.tree is None else self.tree.scratch_slots + self.drafter.branch_slots
         self._positions = self.k if self.tree is None else self.tree.depth  # accepted per round at most
         self.vocab = self.target_runner.vocab_size
         self.state: RoundState | None = None

@@ -14,9 +14,18 @@ depth D in place of a chain of K:
 4. the accepted path's KV moves from its scratch slots to the committed slots
    ``L + 1 .. L + m`` (target and drafter caches), so every cache is what it would be had the
    model seen only the emitted tokens.
+
+A drafter may add a :class:`Branch` to the forward (lookahead decoding's Jacobi window): E
+more query tokens after the nodes, in scratch slots ``L + N + 1 .. L + N + E``, at the
+positions and with the visibility among themselves the branch gives (each also sees the
+committed prefix). No node sees a branch token and no branch token sees a node, so the
+verification's logits are the same with or without it; the branch's logits go to
+:meth:`~specfx.drafters.Drafter.observe_branch`, and its KV is never committed.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -26,6 +35,8 @@ from .sampling import Mode, _emit, as_mode, sample_from, uniform
 from .tree import DynamicTree, TokenTree, TreeTensors
 
 __all__ = [
+    "Branch",
+    "branch_view",
     "draft_dynamic_tree",
     "draft_levels",
     "draft_tree",
@@ -37,6 +48,28 @@ __all__ = [
 
 _STREAM_TREE_ACCEPT = 1002
 _STREAM_TREE_RESIDUAL = 1003
+
+
+@dataclass
+class Branch:
+    """Extra query tokens of a tree round's target forward (see the module docstring)."""
+
+    ids: torch.Tensor  # [B, E] tokens
+    depth: torch.Tensor  # [E] int64, position offsets from the pending token (>= 1)
+    sees: torch.Tensor  # [E, E] bool, sees[e, f]: token e attends to token f (itself included)
+
+
+def branch_view(lengths: torch.Tensor, tree: TreeTensors, branch: Branch) -> TreeView:
+    """The mask description of a forward over the root, the N nodes of ``tree`` and then the
+    E tokens of ``branch``: the tree's visibility and the branch's, block-diagonal (neither
+    sees the other; both see the committed prefix and the root)."""
+    r, n1 = tree.depth.shape
+    e = branch.depth.shape[0]
+    device = tree.depth.device
+    depth = torch.cat([tree.depth, branch.depth.view(1, e).expand(r, e)], dim=1)
+    top = torch.cat([tree.ancestors, torch.zeros((r, n1, e), dtype=torch.bool, device=device)], dim=2)
+    low = torch.cat([torch.zeros((r, e, n1), dtype=torch.bool, device=device), branch.sees.expand(r, e, e)], dim=2)
+    return TreeView(lengths, depth, torch.cat([top, low], dim=1), tuple(range(n1 + e)))
 
 
 def draft_tree(ctx, root_logits: torch.Tensor, step) -> torch.Tensor:
@@ -243,15 +276,28 @@ def tree_round_step(target, drafter, state, tree: TokenTree | DynamicTree, vocab
         proposals, parents = drafter.propose_dynamic_tree(ctx)  # [B, N], [B, N+1]
         ctx.tree = TreeTensors.from_parents(parents, d)
     else:
-        proposals = drafter.propose_tree(ctx)  # [B, N]
+        proposals = drafter.propose_tree(ctx)  # [B, N], or with per-row parents [B, N+1]
+        if isinstance(proposals, tuple):
+            proposals, parents = proposals
+            ctx.tree = TreeTensors.from_parents(parents, d)
     tt = ctx.tree
     pending = s.tokens.gather(1, lengths.unsqueeze(1))  # [B, 1]
     ids = torch.cat([pending, proposals], dim=1)  # [B, N+1]
     nodes = tuple(range(n + 1))
     pos = lengths.unsqueeze(1) + tt.depth  # [B, N+1]
-    slots = lengths.unsqueeze(1) + torch.arange(n + 1, device=ids.device)  # [B, N+1]
-    verified = target.forward(ids, pos, slots, tree=tree_view(ctx, nodes), taps=drafter.taps)
+    branch = drafter.branch(ctx)
+    if branch is None:
+        forward_ids, forward_pos, view = ids, pos, tree_view(ctx, nodes)
+    else:  # the branch's tokens after the nodes, in the slots after theirs
+        forward_ids = torch.cat([ids, branch.ids], dim=1)
+        forward_pos = torch.cat([pos.expand(b, -1), lengths.unsqueeze(1) + branch.depth], dim=1)
+        view = branch_view(lengths, tt, branch)
+    slots = lengths.unsqueeze(1) + torch.arange(forward_ids.shape[1], device=ids.device)  # [B, N+1(+E)]
+    verified = target.forward(forward_ids, forward_pos, slots, tree=view, taps=drafter.taps)
     logits, features = verified if drafter.taps else (verified, None)
+    if branch is not None:
+        drafter.observe_branch(ctx, logits[:, :1], logits[:, n + 1 :])
+        logits = logits[:, : n + 1]
     scores = ctx.process_nodes(logits, nodes, ids)
     u_accept = u_residual = None
     if sample:

@@ -127,9 +127,10 @@ def test_bench_drafters_task_smoke(one_thread, tmp_path, capsys):
     out = tmp_path / "drafters.json"
     argv = ["--target", "random", "--tasks", "edit", "--num-prompts", "1", "--max-new-tokens", "4"]
     argv += ["--ks", "2", "--auto-values", "1", "2", "--repeats", "1", "--no-compile", "--json", str(out)]
+    argv += ["--lookahead", "3,3,2"]
     assert main(["bench", "drafters", *argv]) == 0
     task = json.loads(out.read_text())["tasks"]["edit"]
-    assert set(task["results"]) == {"hf_dynamic", "hf_lookup_k2", "specfx_k2", "specfx_auto"}
+    assert set(task["results"]) == {"hf_dynamic", "hf_lookup_k2", "specfx_k2", "specfx_auto", "lookahead_3_3_2"}
     assert all(r["same_tokens_as_hf_dynamic"] for r in task["results"].values())
     assert "| specfx_k2 |" in capsys.readouterr().out
 

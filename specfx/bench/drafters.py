@@ -1,4 +1,4 @@
-"""``specfx bench drafters``: specfx prompt lookup against HF prompt lookup and HF greedy, fixed K vs auto.
+"""``specfx bench drafters``: specfx prompt lookup and lookahead against HF prompt lookup and HF greedy.
 
 Run ``specfx bench drafters --help`` for the flags. One run measures, on the same
 prompts (batch 1, one after another), the same number of new tokens, greedy, fp32:
@@ -7,6 +7,8 @@ prompts (batch 1, one after another), the same number of new tokens, greedy, fp3
     hf_lookup_k{K}   target.generate(prompt_lookup_num_tokens=K, max_matching_ngram_size=N)
     specfx_k{K}      specfx.speculate(target, draft=PromptLookup(max_ngram=N), num_speculative_tokens=K)
     specfx_auto      the same with num_speculative_tokens="auto" (K per round among --auto-values)
+    lookahead_W_N_G  specfx.speculate(target, draft=Lookahead(window=W, ngram=N, guesses=G)), one per
+                     --lookahead value (none with --lookahead none)
 
 specfx generators are compiled (backend "specfx": passes + Inductor) unless ``--no-compile``.
 
@@ -56,8 +58,9 @@ from .stdlib_code import default_target, load_target, pick_functions, task_promp
 __all__ = ["main", "parse_args", "hf_forwards"]
 
 DESCRIPTION = (
-    "Prompt lookup (fixed K and auto) against HF's prompt_lookup_num_tokens and HF greedy, on code\n"
-    "from the Python standard library (edit: the output copies the prompt; complete: new code)."
+    "Prompt lookup (fixed K and auto) and lookahead decoding against HF's prompt_lookup_num_tokens and\n"
+    "HF greedy, on code from the Python standard library (edit: the output copies the prompt;\n"
+    "complete: new code)."
 )
 
 
@@ -77,12 +80,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8], help="fixed K values (specfx and HF)")
     p.add_argument("--auto-values", type=int, nargs="+", default=[1, 2, 4, 8], help="auto_k_values of specfx_auto")
     p.add_argument("--max-ngram", type=int, default=3, help="PromptLookup max_ngram = HF max_matching_ngram_size")
+    p.add_argument(
+        "--lookahead",
+        nargs="+",
+        default=["4,3,2", "8,4,8"],
+        help="lookahead configurations W,N,G (window, ngram, guesses), one method each; 'none' for none",
+    )
     add_run_options(p, "drafters.json")
     args = p.parse_args(argv)
+    try:
+        args.lookahead = [] if args.lookahead == ["none"] else [_wng(v) for v in args.lookahead]
+    except ValueError:
+        p.error(f"--lookahead takes W,N,G triples of ints such as 8,4,8 (or 'none'), got {args.lookahead}")
     args.command = "specfx bench drafters " + " ".join(sys.argv[3:] if argv is None else argv)
     if min(args.num_prompts, args.max_new_tokens, args.repeats, args.threads, *args.ks, *args.auto_values) < 1:
         p.error("--num-prompts, --max-new-tokens, --repeats, --threads, --ks and --auto-values must be >= 1")
     return args
+
+
+def _wng(text: str) -> tuple[int, int, int]:
+    w, n, g = (int(x) for x in text.split(","))
+    return w, n, g
 
 
 # ----------------------------------------------------------------------------- acceptance
@@ -172,6 +190,10 @@ def build_methods(args, target, bucket: int, pad: int):
     specs["specfx_auto"] = specfx.speculate(
         target, draft=drafter, num_speculative_tokens="auto", auto_k_values=tuple(args.auto_values), **options
     )
+    for w, ng, g in args.lookahead:
+        specs[f"lookahead_{w}_{ng}_{g}"] = specfx.speculate(
+            target, draft=specfx.Lookahead(window=w, ngram=ng, guesses=g), **options
+        )
     for name, spec in specs.items():
         methods[name] = lambda ids, spec=spec: spec.generate(ids, max_new_tokens=n, pad_token_id=pad, **NO_EOS)
     return methods, specs
@@ -267,6 +289,7 @@ def run(args, target, encode, desc: str) -> int:
         max_new_tokens=args.max_new_tokens,
         max_ngram=args.max_ngram,
         auto_values=args.auto_values,
+        lookahead=args.lookahead,
         **run_meta(t_start, load_start, args.command),
     )
     m = meta["machine"]

@@ -419,7 +419,10 @@ class SpeculativeGenerator:
         batch, seq_len = req.input_ids.shape
         bucket = self.spec_config.bucket(seq_len)
         rows = self.spec_config.batch_bucket(batch)
-        self._ensure_state(rows, bucket + req.max_new_tokens + self.k + 2)
+        # real token j of a row sits at slot j whatever the prompt bucket (padding goes to the
+        # trash slot), so the longest prompt, not its bucket, sizes the buffers: attention reads
+        # every slot of them
+        self._ensure_state(rows, seq_len + req.max_new_tokens + self.k + 2)
         self._load_request(req, batch)
         ids = torch.nn.functional.pad(req.input_ids, (bucket - seq_len, 0, 0, rows - batch))  # [rows, bucket]
         collect = req.return_dict_in_generate and (req.output_scores or req.output_logits)

@@ -151,3 +151,15 @@ def test_model_dtype_change_after_first_generate():
     out = spec.generate(ids, max_new_tokens=10, pad_token_id=0)
     assert spec.target_runner.cache.layers[0].keys.dtype == torch.float64
     assert torch.equal(out, _hf(target, ids, max_new_tokens=10))
+
+
+def test_buffers_are_sized_by_the_longest_prompt_not_its_bucket():
+    """Real token j of a row sits at slot j whatever the prefill bucket, so a 20-token prompt
+    (bucket 64) with 200 new tokens needs 20 + 200 + K + 2 slots: capacity 256, not the 512 a
+    bucket-sized buffer took (attention reads every slot of it)."""
+    target = tiny_causal_lm("llama")
+    spec = specfx.speculate(target, draft=target, num_speculative_tokens=4, compile=False)
+    ids = torch.randint(3, 100, (1, 20), generator=torch.Generator().manual_seed(0))
+    kw = dict(max_new_tokens=200, eos_token_id=None)
+    assert torch.equal(spec.generate(ids, **kw), target.generate(ids, **kw))
+    assert spec.target_runner.cache.capacity == 256

@@ -9,6 +9,7 @@ from .backend import GraphRecord, make_backend, specfx_backend, specfx_eager_bac
 from .dead_code import remove_dead_code
 from .driver import PIPELINE, REWRITES, ROUND_CHECKS, PassError, PassReport, run_passes
 from .early_exit import EarlyExitError, early_exit
+from .gqa_sdpa import gqa_sdpa
 from .hidden_taps import HiddenTapsError, check_tap_names, hidden_taps
 from .no_host_sync import HostSyncError, check_no_host_sync
 from .prune_logits import prune_logits
@@ -29,6 +30,7 @@ __all__ = [
     "check_static_kv",
     "check_tap_names",
     "early_exit",
+    "gqa_sdpa",
     "hidden_taps",
     "make_backend",
     "prune_logits",

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from torch import fx
 
 from .dead_code import remove_dead_code
+from .gqa_sdpa import gqa_sdpa
 from .no_host_sync import check_no_host_sync
 from .prune_logits import prune_logits
 from .static_kv import check_static_kv
@@ -30,7 +31,7 @@ logger = logging.getLogger(__name__)
 Pass = Callable[[fx.GraphModule], int]
 
 ROUND_CHECKS: tuple[Pass, ...] = (check_no_host_sync, check_static_kv)
-REWRITES: tuple[Pass, ...] = (prune_logits, remove_dead_code)
+REWRITES: tuple[Pass, ...] = (prune_logits, gqa_sdpa, remove_dead_code)
 # Order matters: verify what was captured, then rewrite, then clean up.
 PIPELINE: tuple[Pass, ...] = ROUND_CHECKS + REWRITES
 

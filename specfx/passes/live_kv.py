@@ -51,9 +51,15 @@ _SDPA = {torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_d
 _SOFTMAX = {torch.softmax, torch.nn.functional.softmax, torch.Tensor.softmax}
 _MATMUL = {torch.matmul, operator.matmul}
 # element-wise ops a score region may contain between q·kᵀ and softmax (scaling, softcap, mask)
-_EW_FUNCTIONS = {operator.add, operator.sub, operator.mul, operator.truediv, torch.tanh, torch.add, torch.mul}
-_EW_METHODS = {"to", "float", "half", "bfloat16", "type_as", "contiguous"}
+_EW_FUNCTIONS = {
+    operator.add, operator.sub, operator.mul, operator.truediv, torch.tanh, torch.add, torch.mul, torch.maximum,
+}  # fmt: skip
+_EW_METHODS = {"to", "float", "half", "bfloat16", "type_as", "contiguous", "masked_fill"}
 _DROPOUT = {torch.nn.functional.dropout}
+_BADDBMM = {torch.baddbmm}
+_CAT = {torch.cat, torch.concat, torch.concatenate}
+_REDUCTIONS = {torch.logsumexp, torch.amax, torch.max}
+_FULL = slice(None, None, None)
 
 
 def _val(node):
@@ -116,117 +122,184 @@ def _cut_sdpa(graph: fx.Graph, node: fx.Node, capacity: int, live: int) -> bool:
 
 def _is_ew(node: fx.Node) -> bool:
     if node.op == "call_function":
+        if node.target is torch.max:  # max(x, other): element-wise (a clamp, as XGLM's)
+            return len(node.args) == 2 and isinstance(node.args[1], fx.Node) and not node.kwargs
         return node.target in _EW_FUNCTIONS
     return node.op == "call_method" and node.target in _EW_METHODS
 
 
-def _softmax_last_dim(node: fx.Node) -> bool:
-    if node.op == "call_function" and node.target in _SOFTMAX:
-        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
-    elif node.op == "call_method" and node.target == "softmax":
-        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
-    else:
-        return False
+def _dim_arg(node: fx.Node, position: int = 1):
+    return node.kwargs.get("dim", node.args[position] if len(node.args) > position else None)
+
+
+def _last_dim(node: fx.Node, dim) -> bool:
     shape = _shape(node)
     return shape is not None and isinstance(dim, int) and dim in (-1, len(shape) - 1)
 
 
-def _is_matmul(node) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in _MATMUL
-
-
-def _eager_region(sm: fx.Node, capacity: int):
-    """(region nodes in graph order, outside operands to cut on the last dim, kᵀ, v, p·v matmul)
-    for the eager attention around softmax node ``sm``, or None if it does not fit."""
-    if _shape(sm) is None or _shape(sm)[-1] != capacity:
-        return None
-    region, outside = [sm], []
-    # backwards: element-wise ops down to matmul(q, kᵀ)
-    stack, scores = [sm.args[0]], None
-    while stack:
-        n = stack.pop()
-        s = _shape(n)
-        if not isinstance(n, fx.Node) or s is None or s[-1] != capacity:
-            return None
-        if n in region:
-            continue
-        if _is_matmul(n):
-            if scores is not None:
-                return None
-            kt = n.args[1]
-            if _shape(n.args[0]) is None or _shape(kt) is None or _shape(kt)[-1] != capacity:
-                return None
-            scores = n
-            region.append(n)
-            continue
-        if not _is_ew(n):
-            return None
-        region.append(n)
-        for arg in n.all_input_nodes:
-            sa = _shape(arg)
-            if sa is None:
-                return None
-            if len(sa) == 0 or sa[-1] == 1:
-                continue  # broadcast along the key axis: unaffected
-            if sa[-1] != capacity:
-                return None
-            if _is_matmul(arg) or _is_ew(arg):
-                stack.append(arg)
-            else:
-                outside.append(arg)
-    if scores is None:
-        return None
-    # forwards: dtype casts and (inactive) dropout down to matmul(p, v)
-    cur, pv = sm, None
-    while pv is None:
-        if len(cur.users) != 1:
-            return None
-        user = next(iter(cur.users))
-        if _is_matmul(user) and user.args[0] is cur:
-            v = user.args[1]
-            if _shape(v) is None or len(_shape(v)) < 2 or _shape(v)[-2] != capacity:
-                return None
-            pv = user
-        elif (user.op == "call_method" and user.target in _EW_METHODS and user.args[0] is cur) or (
-            user.op == "call_function" and user.target in _DROPOUT and user.args[0] is cur and _inactive_dropout(user)
-        ):
-            region.append(user)
-            cur = user
-        else:
-            return None
-    # every region node but the last must be used inside the region only
-    inside = set(region) | {pv}
-    if any(u not in inside for n in region for u in n.users):
-        return None
-    if any(o in inside for o in outside):
-        return None
-    order = {n: i for i, n in enumerate(sm.graph.nodes)}
-    region.sort(key=order.__getitem__)
-    return region, list(dict.fromkeys(outside)), scores, pv
+def _is_softmax(node: fx.Node) -> bool:
+    if node.op == "call_function" and node.target in _SOFTMAX:
+        return _last_dim(node, _dim_arg(node))
+    return node.op == "call_method" and node.target == "softmax" and _last_dim(node, _dim_arg(node))
 
 
 def _inactive_dropout(node: fx.Node) -> bool:
+    if not (node.op == "call_function" and node.target in _DROPOUT):
+        return False
     p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
     training = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
     return p in (0, 0.0) or training is False
 
 
-def _cut_eager(graph: fx.Graph, sm: fx.Node, capacity: int, live: int) -> bool:
-    found = _eager_region(sm, capacity)
-    if found is None:
+def _is_reduction(node: fx.Node) -> bool:
+    if node.op == "call_function":
+        return node.target in _REDUCTIONS and not _is_ew(node)
+    return node.op == "call_method" and node.target in ("logsumexp", "amax", "max")
+
+
+def _is_pv(node: fx.Node) -> bool:
+    """``matmul(p, v)`` / ``bmm(p, v)``: the probabilities times the values."""
+    return node.op == "call_function" and node.target in (*_MATMUL, torch.bmm) and len(node.args) == 2 and not node.kwargs
+
+
+def _source(node: fx.Node, capacity: int):
+    """``(key operand, bias operand or None)`` if ``node`` computes attention scores whose last
+    dim is the key axis: ``matmul(q, kᵀ)`` or ``baddbmm(bias, q, kᵀ)`` (function or method, as
+    GPT-NeoX-Japanese and Bloom call it); else None."""
+    if node.op not in ("call_function", "call_method") or (_shape(node) or (None,))[-1] != capacity:
+        return None
+    args, kwargs = node.args, node.kwargs
+    if node.op == "call_function" and node.target in (*_MATMUL, torch.bmm) and len(args) == 2 and not kwargs:
+        a, b, extra = args[0], args[1], None
+    elif node.target in _BADDBMM or (node.op == "call_method" and node.target == "baddbmm"):
+        names = ("input", "batch1", "batch2")
+        bound = dict(zip(names, args, strict=False))
+        bound.update({k: v for k, v in kwargs.items() if k in names})
+        if len(bound) != 3:
+            return None
+        extra, a, b = bound["input"], bound["batch1"], bound["batch2"]
+        if _shape(extra) is None or (len(_shape(extra)) > 0 and _shape(extra)[-1] not in (1, capacity)):
+            return None
+    else:
+        return None
+    sa, sb = _shape(a), _shape(b)
+    if sa is None or sb is None or sb[-1] != capacity or sa[-1] == capacity:
+        return None  # q's last dim is the head dim; equal to the capacity it is ambiguous: skip
+    return b, extra
+
+
+def _cut_last(index, ext: int) -> bool:
+    """True if ``x[index]`` on a region node drops exactly its ``ext`` extra columns (an attention
+    sink's: ``[..., :-1]``) and keeps the leading dims whole."""
+    if not isinstance(index, tuple) or not index or not isinstance(index[-1], slice):
         return False
-    region, outside, scores, pv = found
-    kt = scores.args[1]
-    scores.args = (scores.args[0], _slice(graph, kt, scores, _last(live)), *scores.args[2:])
+    if any(i is not Ellipsis and i != _FULL for i in index[:-1]):
+        return False
+    last = index[-1]
+    return last.start is None and last.step is None and ext > 0 and last.stop == -ext
+
+
+def _region(src: fx.Node, capacity: int):
+    """Follow the key axis forward from the scores ``src`` through the ops HF's eager attention
+    applies (module docstring). Returns ``(region {node: extra columns}, outside operands to
+    cut, shapes to rewrite, p·v matmuls)`` or None if any use of the axis is not understood."""
+    region, outside, views, exits, seen_softmax = {src: 0}, [], [], [], False
+    for node in list(src.graph.nodes)[list(src.graph.nodes).index(src) + 1 :]:
+        inside = [a for a in node.all_input_nodes if a in region]
+        if not inside:
+            continue
+        shape = _shape(node)
+        first = node.args[0] if node.args else None
+        if len(inside) == 1 and first in region and _is_pv(node) and region[first] == 0:
+            v = node.args[1]  # p·v: the key axis is v's second to last dim; the output has none
+            if _shape(v) is None or len(_shape(v)) < 2 or _shape(v)[-2] != capacity or v in region:
+                return None
+            exits.append(node)
+            continue
+        if _is_reduction(node) and first in region and len(inside) == 1:
+            if not _last_dim(first, _dim_arg(node)):
+                return None
+            if node.target in ("max", torch.max) and any(u.target is not operator.getitem or u.args[1] != 0 for u in node.users):
+                return None  # max's indices would be slot numbers
+            continue  # logsumexp/max over the keys (a softmax's shift, sinks): hidden keys change nothing
+        if shape is None:
+            return None
+        if node.op == "call_function" and node.target in _CAT and _last_dim(node, _dim_arg(node)):
+            seq = node.args[0]
+            if not isinstance(seq, (list, tuple)) or seq[0] not in region or region[seq[0]] != 0:
+                return None
+            if any(x in region for x in seq[1:]):
+                return None
+            region[node] = shape[-1] - capacity
+            continue
+        if node.op == "call_function" and node.target is operator.getitem and first in region:
+            if not _cut_last(node.args[1], region[first]):
+                return None
+            region[node] = 0
+            continue
+        if node.op == "call_method" and node.target in ("view", "reshape") and first in region:
+            dims = node.args[1:] if not isinstance(node.args[1], (tuple, list)) else tuple(node.args[1])
+            ext = region[first]
+            if len(inside) != 1 or not dims or dims[-1] not in (capacity + ext, -1) or shape[-1] != capacity + ext:
+                return None
+            if any(d == -1 for d in dims[:-1]) or any(isinstance(d, fx.Node) for d in dims):
+                return None  # an inferred leading dim would absorb the cut
+            region[node] = ext
+            if dims[-1] != -1:
+                views.append(node)
+            continue
+        if not (_is_ew(node) or _is_softmax(node) or _inactive_dropout(node)):
+            return None
+        exts = {region[a] for a in inside}
+        if len(exts) != 1 or shape[-1] != capacity + next(iter(exts)):
+            return None
+        ext = exts.pop()
+        for a in node.all_input_nodes:
+            if a in region:
+                continue
+            sa = _shape(a)
+            if sa is None:
+                return None
+            if len(sa) == 0 or sa[-1] == 1:
+                continue  # broadcast along the key axis
+            if sa[-1] != capacity or ext != 0:
+                return None
+            outside.append(a)
+        seen_softmax |= _is_softmax(node)
+        region[node] = ext
+    if not seen_softmax or not exits:
+        return None
+    return region, list(dict.fromkeys(outside)), views, exits
+
+
+def _cut_eager(graph: fx.Graph, src: fx.Node, capacity: int, live: int) -> bool:
+    found = _source(src, capacity)
+    region = _region(src, capacity) if found is not None else None
+    if region is None:
+        return False
+    region, outside, views, exits = region
+    key, extra = found
+    swap = {key: _slice(graph, key, src, _last(live))}
+    if extra is not None and len(_shape(extra)) > 0 and _shape(extra)[-1] == capacity:
+        swap[extra] = _slice(graph, extra, src, _last(live))
+    src.args = fx.node.map_arg(src.args, lambda x: swap.get(x, x))
+    src.kwargs = fx.node.map_arg(src.kwargs, lambda x: swap.get(x, x))
+    order = {n: i for i, n in enumerate(graph.nodes)}
     for o in outside:
-        users = [n for n in region if o in n.all_input_nodes]  # in graph order
+        users = sorted((n for n in region if o in n.all_input_nodes), key=order.__getitem__)
         cut = _slice(graph, o, users[0], _last(live))
         for n in users:
             n.args = fx.node.map_arg(n.args, lambda x, o=o, cut=cut: cut if x is o else x)
             n.kwargs = fx.node.map_arg(n.kwargs, lambda x, o=o, cut=cut: cut if x is o else x)
-    v = pv.args[1]
-    pv.args = (pv.args[0], _slice(graph, v, pv, _keys(live)), *pv.args[2:])
-    for n in region:  # the region's last dim is now live: recompute its meta
+    for n in views:
+        ext = region[n]
+        if isinstance(n.args[1], (tuple, list)):
+            n.args = (n.args[0], type(n.args[1])((*n.args[1][:-1], live + ext)))
+        else:
+            n.args = (*n.args[:-1], live + ext)
+    for n in exits:
+        n.args = (n.args[0], _slice(graph, n.args[1], n, _keys(live)))
+    for n in sorted(region, key=order.__getitem__):  # the key axis is now live long: new meta
         refresh_meta(n)
     return True
 
@@ -240,7 +313,7 @@ def live_kv(gm: fx.GraphModule, capacity: int, live: int) -> int:
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target in _SDPA:
             cut += _cut_sdpa(graph, node, capacity, live)
-        elif _softmax_last_dim(node):
+        elif _source(node, capacity) is not None:
             cut += _cut_eager(graph, node, capacity, live)
     return cut
 

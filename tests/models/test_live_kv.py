@@ -109,3 +109,52 @@ def test_live_kv_false_reads_the_whole_buffer(one_thread):
 def test_live_kv_must_be_a_bool_or_a_power_of_two(bad):
     with pytest.raises(ValueError, match="live_kv must be True, False or a power of two >= 8"):
         specfx.SpecConfig(live_kv=bad)
+
+
+def _drafters():
+    """Drafters whose own forwards read KV (draft model, early exit, MTP, EAGLE, EAGLE-3) or
+    read the target's hidden states through captured forwards (Medusa), and prompt lookup."""
+    from tests.test_mtp import MtpModel, mtp_target
+
+    cases = {
+        "early_exit": lambda t: "early_exit:1",
+        "prompt_lookup": lambda t: "prompt_lookup",
+        "eagle": lambda t: specfx.Eagle.random(t, seed=1),
+        "eagle3": lambda t: specfx.Eagle3.random(t, draft_vocab_size=96, seed=1, layer_ids=[1, 2, 3]),
+        "medusa": lambda t: specfx.Medusa.random(t.config.hidden_size, 128, num_heads=3),
+    }
+    out = {name: (lambda make=make: (tiny_causal_lm("llama", num_layers=4), make)) for name, make in cases.items()}
+    if MtpModel is not None:
+
+        def mtp():
+            target, layers = mtp_target("mellum", 1)  # a sliding-window MTP layer
+            return target, lambda t: specfx.MTP(layers=layers)
+
+        out["mtp"] = mtp
+    return out
+
+
+DRAFTERS = _drafters()
+
+
+# MTP heads draft chains only (ARCHITECTURE "Limits today")
+DRAFTER_CASES = [(n, s) for n in sorted(DRAFTERS) for s in ("chain", "tree") if (n, s) != ("mtp", "tree")]
+
+
+@pytest.mark.parametrize(("name", "shape"), DRAFTER_CASES)
+def test_drafters_with_live_kv(name, shape, one_thread):
+    target, make = DRAFTERS[name]()
+    round_shape = dict(num_speculative_tokens=3) if shape == "chain" else dict(tree=TREE)
+    spec = specfx.speculate(target, draft=make(target), backend="specfx_eager", live_kv=16, **round_shape)
+    kwargs = dict(eos_token_id=None, pad_token_id=0)
+    _check(spec, target, prompt(12, seed=3), None, 30, **kwargs)
+    _check(spec, target, *left_padded(10, [3, 0], seed=5), 20, **kwargs)
+    _assert_cut(spec)
+
+
+def test_compiled_prefill_is_cut_too(one_thread):
+    target, draft = _pair("mistral")
+    spec = specfx.speculate(target, draft=draft, num_speculative_tokens=3, backend="specfx_eager", compile_prefill=True)
+    _check(spec, target, *left_padded(10, [2, 4, 0], seed=5), 30)
+    assert sorted(e.key[0] for e in spec.compile_events) == ["prefill", "round"]
+    _assert_cut(spec)

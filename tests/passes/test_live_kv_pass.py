@@ -142,3 +142,36 @@ def test_gqa_and_a_broadcast_mask():
     compiled, records = _compiled(fn)
     torch.testing.assert_close(compiled(q, k, v, mask), fn(q, k, v, mask), rtol=1e-6, atol=1e-6)
     assert _sites(records) == 1
+
+
+def _eager_sinks(q, k, v, mask):
+    """GPT-OSS-style attention sinks: one extra logit per head, dropped after the softmax."""
+    scores = torch.matmul(q, k.transpose(2, 3)) * 0.25 + mask
+    sinks = torch.linspace(-1, 1, H).reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[-2], -1)
+    probs = F.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs, v)
+
+
+def _eager_lse(q, k, v, mask):
+    """Granite-SWA-style: a logsumexp over the keys scales the output (a sink as a gate)."""
+    scores = torch.matmul(q, k.transpose(2, 3)) + mask
+    gate = torch.sigmoid(torch.logsumexp(scores, dim=-1) - 0.5).unsqueeze(-1)
+    return torch.matmul(F.softmax(scores, dim=-1), v) * gate
+
+
+def _eager_baddbmm(q, k, v, mask):
+    """GPT-NeoX-Japanese-style: scores by baddbmm on [B*H, T, C], viewed back to 4-D."""
+    b, h, t, d = q.shape
+    base = torch.zeros(b * h, t, C)
+    scores = torch.baddbmm(base, q.reshape(b * h, t, d), k.reshape(b * h, C, d).transpose(1, 2), beta=1.0, alpha=0.3)
+    scores = scores.view(b, h, t, C) + mask
+    return torch.matmul(F.softmax(scores, dim=-1), v)
+
+
+@pytest.mark.parametrize("fn", [_eager_sinks, _eager_lse, _eager_baddbmm])
+def test_eager_variants_are_cut_and_unchanged(fn):
+    q, k, v, visible = _inputs(6)
+    mask = _additive(visible)
+    compiled, records = _compiled(fn)
+    torch.testing.assert_close(compiled(q, k, v, mask), fn(q, k, v, mask), rtol=1e-6, atol=1e-6)
+    assert _sites(records) == 1

@@ -16,11 +16,16 @@ each attention call to its first ``L`` entries. SDPA::
         %m_live = call_function[target=getitem](args = (%m, (Ellipsis, slice(None, L))))               # [B, 1, T, L]
         %o = call_function[target=scaled_dot_product_attention](args = (%q, %k_live, %v_live), kwargs = {attn_mask: %m_live, ...})
 
-HF's eager attention (``matmul(q, kᵀ)``, scaling, softcap, ``+ mask``, ``softmax``, ``.to``,
-``dropout``, ``matmul(·, v)``) is the same cut applied to a region: the key axis is the last
-dim of every node between the two matmuls; the pass slices ``kᵀ``'s last dim, every outside
-operand of the region whose last dim is ``C`` (the mask), and ``v``'s key dim, and recomputes
-the region's shapes. The output of either form keeps its shape, so nothing after it changes.
+HF's eager attention is the same cut applied to a *key-axis region*: it starts at the scores
+(``matmul(q, kᵀ)`` or ``bmm``, or ``baddbmm(bias, q, kᵀ)`` as function or method) and follows
+the key axis (the last dim) forward through element-wise ops (scaling, softcap, ``+ mask``,
+``masked_fill``, a ``max`` clamp, casts), a last-dim softmax, inactive dropout, views that keep
+the last dim, an attention-sink ``cat`` and its ``[..., :-1]``, and last-dim ``logsumexp`` /
+``max`` (whose results do not depend on hidden keys), to ``matmul``/``bmm`` with ``v``. The pass
+slices ``kᵀ``'s last dim (and a bias of that width), every outside operand of the region whose
+last dim is ``C`` (masks, ALiBi), ``v``'s key dim, rewrites a literal ``C`` in a view to ``L``,
+and recomputes the region's meta. The output of either form keeps its shape, so nothing after
+it changes.
 
 Exactness: a hidden slot has weight ``exp(-inf) = 0`` (bool mask) or ``exp(min - max) = 0``
 (additive mask) in the softmax, so removing it changes nothing but the summation order. The
@@ -30,9 +35,9 @@ attention over ``capacity`` keys masks the slots ``>= live`` (specfx's round and
 ``SpeculativeGenerator.live_bound``). Everything else is proven from node meta, and the pass
 skips (never guesses) unless: the key/value axis is exactly ``capacity``; the mask is present
 with last dim ``capacity`` (an unmasked or ``is_causal`` call would see the live cut as a change
-of semantics); dropout is 0; and, for the eager pattern, every node of the region is used only
-inside the region (returned attention weights would change shape). Returns the number of
-attention calls cut.
+of semantics); dropout is 0 (SDPA) or inactive (eager); and, for the eager pattern, every use of
+a region node is one listed above (returned attention weights, a softmax over another dim or a
+``mean`` over the keys leave the call alone). Returns the number of attention calls cut.
 """
 
 from __future__ import annotations

@@ -51,7 +51,11 @@ def refresh_meta(node: fx.Node) -> None:
     for k in META_KEYS:
         node.meta.pop(k, None)
     node.meta.pop("tensor_meta", None)
-    _compute(node, key)
+    try:
+        _compute(node, key)
+    except Exception:  # an op fake tensors cannot run: its shape stays unknown, never stale
+        for k in META_KEYS:
+            node.meta.pop(k, None)
 
 
 def _compute(node: fx.Node, key: str | None) -> None:

@@ -52,6 +52,12 @@ class SpecConfig:
         max_graphs: compiled round/prefill graphs kept per generator (least recently used
             evicted first, with the memory they hold); a graph whose buffer capacity is
             outgrown is evicted at once.
+        live_kv: attention reads only the KV slots a call can see (the ``live_kv`` graph pass,
+            :mod:`specfx.passes.live_kv`): the first ``L`` of the buffer's slots, ``L`` the
+            call's last position (prompt width + max_new_tokens + K + 2) rounded up to a power
+            of two, from 64 (True, default) or from the int given, and the capacity at most.
+            One compiled graph per such bucket. False: attention reads the whole buffer. Only
+            the "specfx"/"specfx_eager" backends run the pass; output is the same either way.
         tree: a token tree (:class:`specfx.TokenTree`, or a list of nodes such as
             ``[(0,), (1,), (0, 0)]``) verified every round instead of a chain; it replaces
             ``num_speculative_tokens`` (a tree that is a chain of K is exactly K). None: a chain.
@@ -69,6 +75,7 @@ class SpecConfig:
     auto_k_times: Any = None
     compile_prefill: bool = False
     max_graphs: int = 16
+    live_kv: bool | int = True
     tree: Any = None
 
     def __post_init__(self):
@@ -133,6 +140,11 @@ class SpecConfig:
             raise ValueError(f"prefill_buckets must be increasing positive ints, got {b!r}.")
         if not isinstance(self.min_capacity, int) or self.min_capacity < 8:
             raise ValueError(f"min_capacity must be an int >= 8, got {self.min_capacity!r}.")
+        lk = self.live_kv
+        if not (isinstance(lk, bool) or (isinstance(lk, int) and lk >= 8 and lk & (lk - 1) == 0)):
+            raise ValueError(
+                f"live_kv must be True, False or a power of two >= 8 (the smallest live-KV bucket), got {lk!r}."
+            )
         if not (isinstance(self.backend, str) or callable(self.backend)):
             raise TypeError(f"backend must be a backend name or a callable, got {self.backend!r}.")
 

@@ -20,6 +20,7 @@ from .drafters import resolve_drafter
 from .generate_args import GenerateRequest, resolve_generate_args
 from .graph_utils import fresh_code, release_code
 from .passes.backend import GraphRecord, GraphRecords, make_backend
+from .passes.live_kv import LiveKV
 from .round import RoundState, prefill_step, round_step
 from .runner import ModelRunner
 from .sampling import Mode
@@ -30,6 +31,9 @@ from .tree_round import tree_round_step
 __all__ = ["CompileEvent", "SpeculativeGenerator", "speculate"]
 
 logger = logging.getLogger(__name__)
+
+# backends that run specfx's pass pipeline, hence the live-KV cut (decision 45)
+LIVE_BACKENDS = ("specfx", "specfx_eager")
 
 
 def speculate(
@@ -144,6 +148,7 @@ class SpeculativeGenerator:
         self.vocab = self.target_runner.vocab_size
         self.state: RoundState | None = None
         self._shape: tuple[int, int] | None = None  # (batch bucket, capacity) of the allocated state
+        self._live: tuple[int, int] | None = None  # (capacity, live-KV bound) (_grow_live); None: no call yet
         self._signature: tuple | None = None  # dtypes/devices of the models when state was allocated
         self.graphs: list[GraphRecord] = GraphRecords()
         self._backend = make_backend(config.backend, self.graphs) if isinstance(config.backend, str) else config.backend
@@ -226,10 +231,41 @@ class SpeculativeGenerator:
         return round_step(self.target_runner, self.drafter, self.state, k, self.vocab, sample, collect)
 
     def graph_key(self, kind: str, *extra) -> tuple:
-        """The variant a compiled graph serves: ``(kind, batch bucket, capacity, *extra)``
+        """The variant a compiled graph serves: ``(kind, batch bucket, capacity, *extra, live)``
         (extra: K, sampling and collect for a round; prompt bucket, sampling and collect for a
-        prefill)."""
-        return (kind, *self._shape, *extra)
+        prefill; live: the KV slots its attention reads, :meth:`live_bound`)."""
+        return (kind, *self._shape, *extra, self._live_slots())
+
+    def live_bound(self, prompt_width: int, max_new_tokens: int) -> int:
+        """The KV slots a call's attention reads (issue 14, decision 45): no query of the call
+        is at a position past ``prompt_width + max_new_tokens + K`` (tree: its scratch slots),
+        so every slot from ``prompt_width + max_new_tokens + K + 2`` on is masked, and attention
+        may stop before it. Rounded up to a power of two from ``SpecConfig.live_kv``'s smallest
+        bucket, and to the capacity at most (no cut); the capacity when ``live_kv=False``."""
+        capacity = self._shape[1]
+        smallest = self.spec_config.live_kv
+        if smallest is False:
+            return capacity
+        live = 64 if smallest is True else smallest
+        while live < prompt_width + max_new_tokens + self.k + 2:
+            live *= 2
+        return min(live, capacity)
+
+    def _live_slots(self) -> int:
+        if self._live is None or self._live[0] != self._shape[1]:
+            return self._shape[1]
+        return self._live[1]
+
+    def _grow_live(self, bound: int) -> None:
+        """Make the live-KV bound at least ``bound``. Like the capacity, it only grows (decision
+        45): a warm generator serving a mixed workload keeps one graph per batch bucket and mode,
+        and the graphs of an outgrown bound are evicted at once."""
+        capacity = self._shape[1]
+        live = bound if self._live is None or self._live[0] != capacity else max(bound, self._live[1])
+        if self._live != (capacity, live):
+            for key in [k for k in self._variants if k[-1] != live]:
+                self._drop(key)
+            self._live = (capacity, live)
 
     def _variant(self, kind: str, *extra) -> Callable:
         """The callable for one graph variant: eager, or compiled on first use. Each variant
@@ -248,7 +284,11 @@ class SpeculativeGenerator:
         code = fresh_code(impl)
         self._codes[key] = code.__code__
         bound = types.MethodType(code, self)
-        compiled_fn = torch.compile(bound, backend=self._backend, fullgraph=True, dynamic=False)
+        backend = self._backend
+        capacity, live = self._shape[1], self._live_slots()
+        if live < capacity and isinstance(self.spec_config.backend, str) and self.spec_config.backend in LIVE_BACKENDS:
+            backend = make_backend(self.spec_config.backend, self.graphs, live=LiveKV(capacity, live))
+        compiled_fn = torch.compile(bound, backend=backend, fullgraph=True, dynamic=False)
 
         compiled_once = []
 
@@ -421,8 +461,9 @@ class SpeculativeGenerator:
         rows = self.spec_config.batch_bucket(batch)
         # real token j of a row sits at slot j whatever the prompt bucket (padding goes to the
         # trash slot), so the longest prompt, not its bucket, sizes the buffers: attention reads
-        # every slot of them
+        # every slot of them (or, compiled, the live ones: decision 45)
         self._ensure_state(rows, seq_len + req.max_new_tokens + self.k + 2)
+        self._grow_live(self.live_bound(seq_len, req.max_new_tokens))
         self._load_request(req, batch)
         ids = torch.nn.functional.pad(req.input_ids, (bucket - seq_len, 0, 0, rows - batch))  # [rows, bucket]
         collect = req.return_dict_in_generate and (req.output_scores or req.output_logits)

@@ -6,7 +6,7 @@ prompt lengths (1..60, ragged within a batch), max_new_tokens (1..40) and every 
 setting. Checked: no call fails; greedy output equals HF's; sampled output equals an eager
 generator's with the same seed; after one pass over each class, replaying compiles nothing
 (``error_on_recompile``); the compiled graphs stay within the documented policy (one round
-graph per batch bucket and mode at the current capacity, at most ``max_graphs``); resident memory is flat
+graph per batch bucket and mode at the current capacity and live-KV bound, at most ``max_graphs``); resident memory is flat
 over the second half.
 """
 
@@ -59,7 +59,8 @@ def test_long_lived_generator_serves_a_mixed_workload(soak):
         _check(call, target, spec, eager, batch, mode, rng)
     compiled = len(spec.compile_events)
     # the policy: one round graph per batch bucket and mode (greedy, sampling) at the current capacity
-    assert {e.key for e in spec.compile_events} == {("round", b, 512, 3, s, False) for b in (1, 2, 4) for s in (False, True)}
+    # and live-KV bound (both only grow: 100 + 150 + K + 2 tokens -> 256 of 512 slots read)
+    assert {e.key for e in spec.compile_events} == {("round", b, 512, 3, s, False, 256) for b in (1, 2, 4) for s in (False, True)}
     assert len(spec._variants) <= spec.spec_config.max_graphs
 
     rss = []
@@ -83,12 +84,12 @@ def test_lru_policy_evicts_beyond_max_graphs(one_thread):
     for batch in (1, 2, 4, 1):
         ids = torch.randint(3, 128, (batch, 5), generator=torch.Generator().manual_seed(batch))
         assert torch.equal(spec.generate(ids, max_new_tokens=6), target.generate(ids, max_new_tokens=6))
-        codes.setdefault(batch, spec._codes[("round", batch, 256, 2, False, False)])
-    assert list(spec._variants) == [("round", 4, 256, 2, False, False), ("round", 1, 256, 2, False, False)]
+        codes.setdefault(batch, spec._codes[("round", batch, 256, 2, False, False, 64)])
+    assert list(spec._variants) == [("round", 4, 256, 2, False, False, 64), ("round", 1, 256, 2, False, False, 64)]
     assert [e.key[1] for e in spec.compile_events] == [1, 2, 4, 1]  # batch 1 was evicted, then compiled again
     # what Dynamo compiled for an evicted variant is freed, not merely forgotten
     assert _debug_get_cache_entry_list(codes[2]) == [] and _debug_get_cache_entry_list(codes[1]) == []
-    assert len(_debug_get_cache_entry_list(spec._codes[("round", 1, 256, 2, False, False)])) == 1
+    assert len(_debug_get_cache_entry_list(spec._codes[("round", 1, 256, 2, False, False, 64)])) == 1
 
 
 def test_each_compile_is_recorded_once_with_several_rounds_per_sync(one_thread):
@@ -98,4 +99,4 @@ def test_each_compile_is_recorded_once_with_several_rounds_per_sync(one_thread):
     spec = specfx.speculate(target, draft="prompt_lookup", num_speculative_tokens=2, rounds_per_sync=3, backend="specfx_eager")
     ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(0))
     assert torch.equal(spec.generate(ids, max_new_tokens=12), target.generate(ids, max_new_tokens=12))
-    assert [e.key for e in spec.compile_events] == [("round", 1, 256, 2, False, False)]
+    assert [e.key for e in spec.compile_events] == [("round", 1, 256, 2, False, False, 64)]

@@ -2,7 +2,9 @@
 
 Not in the default :data:`PIPELINE` (applied to specfx's own captures of the target's forward):
 :func:`early_exit` (cut after decoder layer N; :class:`specfx.EarlyExit`) and
-:func:`hidden_taps` (also return chosen hidden states; the runner's ``forward(..., taps=...)``).
+:func:`hidden_taps` (also return chosen hidden states; the runner's ``forward(..., taps=...)``),
+and :func:`live_kv` (attention over the first ``live`` KV slots; run on specfx's round and
+prefill graphs with ``run_passes(..., live=LiveKV(capacity, live))``).
 """
 
 from .backend import GraphRecord, make_backend, specfx_backend, specfx_eager_backend
@@ -11,6 +13,7 @@ from .driver import PIPELINE, REWRITES, ROUND_CHECKS, PassError, PassReport, run
 from .early_exit import EarlyExitError, early_exit
 from .gqa_sdpa import gqa_sdpa
 from .hidden_taps import HiddenTapsError, check_tap_names, hidden_taps
+from .live_kv import LiveKV, live_kv
 from .no_host_sync import HostSyncError, check_no_host_sync
 from .prune_logits import prune_logits
 from .static_kv import StaticKVError, check_static_kv
@@ -21,6 +24,7 @@ __all__ = [
     "GraphRecord",
     "HiddenTapsError",
     "HostSyncError",
+    "LiveKV",
     "PassError",
     "PassReport",
     "REWRITES",
@@ -32,6 +36,7 @@ __all__ = [
     "early_exit",
     "gqa_sdpa",
     "hidden_taps",
+    "live_kv",
     "make_backend",
     "prune_logits",
     "remove_dead_code",

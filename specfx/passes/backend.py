@@ -26,6 +26,7 @@ import torch
 from torch import fx
 
 from .driver import PassReport, run_passes
+from .live_kv import LiveKV
 from .no_host_sync import opaque_host_syncs
 
 __all__ = ["GraphRecord", "GraphRecords", "make_backend", "specfx_backend", "specfx_eager_backend"]
@@ -59,14 +60,20 @@ def _op_name(node: fx.Node) -> str:
     return getattr(node.target, "__name__", str(node.target))
 
 
-def make_backend(inner: str = "specfx", records: list | None = None, *, round_graphs: bool = True):
+def make_backend(
+    inner: str = "specfx", records: list | None = None, *, round_graphs: bool = True, live: LiveKV | None = None
+):
     """A backend that records each graph in ``records``. ``inner`` is "specfx" (Inductor
     after the passes) or "specfx_eager" (run the rewritten graph as is); any other name is
     looked up as an ordinary Dynamo backend and used without the passes.
 
     ``round_graphs`` says the graphs are specfx's own (rounds, prefills, captured forwards):
     the round invariants are checked and, on CUDA, Inductor captures a CUDA graph. Pass False
-    for arbitrary user code, as the registered ``specfx``/``specfx_eager`` backends do."""
+    for arbitrary user code, as the registered ``specfx``/``specfx_eager`` backends do.
+
+    ``live`` (specfx's own graphs only): attention reads only the first ``live.live`` of
+    ``live.capacity`` KV slots (:mod:`specfx.passes.live_kv`); the caller vouches that no query
+    of the graph sees a slot past it."""
     if inner not in ("specfx", "specfx_eager"):
         from torch._dynamo.backends.registry import lookup_backend
 
@@ -77,7 +84,7 @@ def make_backend(inner: str = "specfx", records: list | None = None, *, round_gr
     records_ref = weakref.ref(records) if isinstance(records, GraphRecords) else (lambda: records)
 
     def backend(gm: fx.GraphModule, example_inputs):
-        report = run_passes(gm, round_checks=round_graphs)
+        report = run_passes(gm, round_checks=round_graphs, live=live)
         ops = Counter(_op_name(n) for n in gm.graph.nodes if n.op in ("call_function", "call_method"))
         records = records_ref()
         if records is not None:

@@ -8,6 +8,13 @@ Two kinds of passes, kept apart because a user's graph is not a round:
   for arbitrary user code (``x.cpu() + 1`` is a fine function, not a broken round).
 - :data:`REWRITES` are semantics-preserving on any graph: they read node shapes before they
   rewrite and skip what they cannot prove.
+
+One rewrite depends on a runtime fact the graph cannot show: :class:`~.live_kv.LiveKV` (cut
+attention to the first ``live`` KV slots) is run only on specfx's own graphs, whose caller
+knows every position stays below ``live``; ``run_passes(..., live=LiveKV(capacity, live))``
+puts it after the other rewrites and before dead-code removal: ``gqa_sdpa`` must see
+transformers' ``repeat_kv`` copies feeding SDPA as they are, not sliced (the cut then applies to
+the KV buffers themselves), and the cut leaves the full-length views it replaced dead.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from torch import fx
 
 from .dead_code import remove_dead_code
 from .gqa_sdpa import gqa_sdpa
+from .live_kv import LiveKV
 from .no_host_sync import check_no_host_sync
 from .prune_logits import prune_logits
 from .static_kv import check_static_kv
@@ -31,6 +39,7 @@ logger = logging.getLogger(__name__)
 Pass = Callable[[fx.GraphModule], int]
 
 ROUND_CHECKS: tuple[Pass, ...] = (check_no_host_sync, check_static_kv)
+# remove_dead_code stays last: run_passes inserts the live-KV cut right before it
 REWRITES: tuple[Pass, ...] = (prune_logits, gqa_sdpa, remove_dead_code)
 # Order matters: verify what was captured, then rewrite, then clean up.
 PIPELINE: tuple[Pass, ...] = ROUND_CHECKS + REWRITES
@@ -52,12 +61,18 @@ class PassReport:
         return ", ".join(f"{name}={n}" for name, n in self.sites)
 
 
-def run_passes(gm: fx.GraphModule, passes: Sequence[Pass] | None = None, *, round_checks: bool = True) -> PassReport:
+def run_passes(
+    gm: fx.GraphModule, passes: Sequence[Pass] | None = None, *, round_checks: bool = True, live: LiveKV | None = None
+) -> PassReport:
     """Run ``passes`` in order (default: :data:`PIPELINE` with ``round_checks``, else
-    :data:`REWRITES`), linting the graph after each and, with ``round_checks``, re-checking that
-    no pass introduced a host sync. Raises :class:`PassError` naming the failing pass."""
+    :data:`REWRITES`; with ``live``, that pass right before dead-code removal), linting the graph
+    after each and, with ``round_checks``, re-checking that no pass introduced a host sync.
+    Raises :class:`PassError` naming the failing pass."""
     if passes is None:
-        passes = PIPELINE if round_checks else REWRITES
+        rewrites = REWRITES if live is None else (*REWRITES[:-1], live, REWRITES[-1])
+        passes = (ROUND_CHECKS if round_checks else ()) + rewrites
+    elif live is not None:
+        raise ValueError("run_passes: give live= only with the default pipeline (passes=None)")
     report = PassReport(nodes_before=len(gm.graph.nodes))
     for p in passes:
         name = p.__name__

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-__all__ = ["META_KEYS", "infer_meta", "tensor_rank"]
+__all__ = ["META_KEYS", "infer_meta", "refresh_meta", "tensor_rank"]
 
 META_KEYS = ("example_value", "val")
 
@@ -41,6 +41,24 @@ def infer_meta(node: fx.Node, like: fx.Node) -> None:
     can read its shape too. Left without a value when the inputs' values are not all known."""
     node.meta.update({k: v for k, v in like.meta.items() if k not in (*META_KEYS, "tensor_meta")})
     key = next((k for k in META_KEYS if k in like.meta), None)
+    _compute(node, key)
+
+
+def refresh_meta(node: fx.Node) -> None:
+    """Recompute ``node``'s example value from its inputs' (after a pass changed an input's
+    shape); dropped when it cannot be computed, so that no stale shape is ever read."""
+    key = next((k for k in META_KEYS if k in node.meta), None)
+    for k in META_KEYS:
+        node.meta.pop(k, None)
+    node.meta.pop("tensor_meta", None)
+    try:
+        _compute(node, key)
+    except Exception:  # an op fake tensors cannot run: its shape stays unknown, never stale
+        for k in META_KEYS:
+            node.meta.pop(k, None)
+
+
+def _compute(node: fx.Node, key: str | None) -> None:
     inputs = node.all_input_nodes
     if key is None or not all(isinstance(n.meta.get(key), torch.Tensor) for n in inputs):
         return

@@ -20,6 +20,9 @@ import torch
 import specfx
 from benchmarks.soak_compiles import CLASSES, MODES, REPLAYS, growing_request, soak_request
 from specfx.models.tiny import perturbed_copy, tiny_causal_lm
+from specfx.sampling import Mode
+
+GREEDY = Mode(False, penalty=False)  # the graph mode of HF's defaults: greedy, no penalty, no sorts
 
 pytestmark = [pytest.mark.compiled, pytest.mark.usefixtures("one_thread")]
 
@@ -84,12 +87,12 @@ def test_lru_policy_evicts_beyond_max_graphs(one_thread):
     for batch in (1, 2, 4, 1):
         ids = torch.randint(3, 128, (batch, 5), generator=torch.Generator().manual_seed(batch))
         assert torch.equal(spec.generate(ids, max_new_tokens=6), target.generate(ids, max_new_tokens=6))
-        codes.setdefault(batch, spec._codes[("round", batch, 256, 2, False, False, 64)])
-    assert list(spec._variants) == [("round", 4, 256, 2, False, False, 64), ("round", 1, 256, 2, False, False, 64)]
+        codes.setdefault(batch, spec._codes[("round", batch, 256, 2, GREEDY, False, 64)])
+    assert list(spec._variants) == [("round", 4, 256, 2, GREEDY, False, 64), ("round", 1, 256, 2, GREEDY, False, 64)]
     assert [e.key[1] for e in spec.compile_events] == [1, 2, 4, 1]  # batch 1 was evicted, then compiled again
     # what Dynamo compiled for an evicted variant is freed, not merely forgotten
     assert _debug_get_cache_entry_list(codes[2]) == [] and _debug_get_cache_entry_list(codes[1]) == []
-    assert len(_debug_get_cache_entry_list(spec._codes[("round", 1, 256, 2, False, False, 64)])) == 1
+    assert len(_debug_get_cache_entry_list(spec._codes[("round", 1, 256, 2, GREEDY, False, 64)])) == 1
 
 
 def test_each_compile_is_recorded_once_with_several_rounds_per_sync(one_thread):
@@ -99,4 +102,4 @@ def test_each_compile_is_recorded_once_with_several_rounds_per_sync(one_thread):
     spec = specfx.speculate(target, draft="prompt_lookup", num_speculative_tokens=2, rounds_per_sync=3, backend="specfx_eager")
     ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(0))
     assert torch.equal(spec.generate(ids, max_new_tokens=12), target.generate(ids, max_new_tokens=12))
-    assert [e.key for e in spec.compile_events] == [("round", 1, 256, 2, False, False, 64)]
+    assert [e.key for e in spec.compile_events] == [("round", 1, 256, 2, GREEDY, False, 64)]

@@ -22,6 +22,7 @@ import torch
 import specfx
 from specfx.models.architectures import ARCHITECTURES, supported
 from specfx.models.tiny import perturbed_copy, tiny_causal_lm
+from specfx.sampling import Mode
 from specfx.tree import TokenTree
 
 from ..conftest import left_padded, prompt
@@ -96,9 +97,10 @@ def test_live_bound_only_grows_and_evicts_outgrown_graphs(one_thread):
     target, draft = _pair("llama")
     spec = specfx.speculate(target, draft=draft, num_speculative_tokens=3, backend="specfx_eager")
     _check(spec, target, prompt(12, seed=3), None, 20)  # 12 + 20 + 5 -> 64 of 256 slots
-    assert [e.key for e in spec.compile_events] == [("round", 1, 256, 3, False, False, 64)]
+    greedy = Mode(False, penalty=False)  # HF's defaults: greedy, no penalty, no sorts
+    assert [e.key for e in spec.compile_events] == [("round", 1, 256, 3, greedy, False, 64)]
     _check(spec, target, prompt(12, seed=4), None, 80)  # 12 + 80 + 5 -> 128
-    assert spec.compile_events[-1].key[-1] == 128 and list(spec._variants) == [("round", 1, 256, 3, False, False, 128)]
+    assert spec.compile_events[-1].key[-1] == 128 and list(spec._variants) == [("round", 1, 256, 3, greedy, False, 128)]
     _check(spec, target, prompt(6, seed=5), None, 10)
     assert len(spec.compile_events) == 2 and list(spec._variants)[0][-1] == 128
     _assert_cut(spec)

@@ -1,7 +1,7 @@
 """Count and time the cold compiles a long-lived compiled generator pays for a mixed workload.
 
 The call mix is the soak test's (tests/test_soak.py): one Inductor-compiled generator (tiny
-Llama target, perturbed-copy draft, K = 3), a first request (100 + 150 tokens) that grows the buffers to 512 slots, then the 15
+Llama target, perturbed-copy draft, K = 3), a first request (100 + 156 tokens) that grows the buffers to 512 slots, then the 15
 classes (batch 1/2/3 x greedy, greedy + repetition penalty + min length, temperature, top-k,
 top-p + penalty) once each, then 48 replays of those classes with new prompts (1..60 tokens,
 ragged) and max_new_tokens (1..40). Each call that added a compiled graph counts as a compile;
@@ -41,9 +41,9 @@ REPLAYS = 48  # after the first pass over CLASSES
 
 
 def growing_request():
-    """The first request: 100 + 150 tokens, so the buffers grow to 512 slots before any graph
-    compiles (``ids, attention_mask, max_new_tokens``)."""
-    return torch.randint(3, 128, (1, 100), generator=torch.Generator().manual_seed(5)), None, 150
+    """The first request: 100 + 156 tokens, so the buffers grow to 512 slots (100 + 156 + K + 2
+    > 256) before any graph compiles (``ids, attention_mask, max_new_tokens``)."""
+    return torch.randint(3, 128, (1, 100), generator=torch.Generator().manual_seed(5)), None, 156
 
 
 def soak_request(batch: int, rng: random.Random):

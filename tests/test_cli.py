@@ -93,8 +93,8 @@ def test_named_drafters_map_to_hf_equivalents():
     "argv, message",
     [
         (["demo", "--k", "0"], "must be >= 1"),
-        (["bench", "--k", "two"], "take comma-separated integers, got 'two'"),
-        (["bench", "--batch-sizes", "0"], "need at least one positive integer"),
+        (["bench", "--k", "two"], "--k takes comma-separated integers or 'auto', --batch-sizes integers; got 'two'"),
+        (["bench", "--batch-sizes", "0"], "--batch-sizes a positive integer"),
     ],
 )
 def test_bad_arguments_exit_with_a_message(argv, message, capsys):

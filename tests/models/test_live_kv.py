@@ -20,12 +20,13 @@ import pytest
 import torch
 
 import specfx
-from specfx.models.architectures import ARCHITECTURES, supported
-from specfx.models.tiny import perturbed_copy, tiny_causal_lm
+from specfx.models.architectures import supported
+from specfx.models.tiny import tiny_causal_lm
 from specfx.sampling import Mode
 from specfx.tree import TokenTree
 
 from ..conftest import left_padded, prompt
+from .test_conformance import _pair  # the conformance matrix's target/draft pairs, cached
 
 EAGER_ATTENTION = (
     "gemma2 bloom codegen flint gpt_neox_japanese gpt_oss gptj granite_swa granitemoe_swa mimo_v2_flash "
@@ -48,14 +49,6 @@ TREE_MATRIX = [a for a in MATRIX if a not in ROWWISE + TREE_SLOT_BIAS]
 if MATRIX is LIVE_SUBSET:
     TREE_MATRIX = [a for a in ("llama", "mistral", "gemma2", "mixtral", "gpt2", "granite_swa") if a in TREE_MATRIX]
 TREE = TokenTree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
-_models = {}
-
-
-def _pair(arch):
-    if arch not in _models:
-        target = tiny_causal_lm(arch, **ARCHITECTURES[arch].overrides)
-        _models[arch] = (target, perturbed_copy(target, 0.03))
-    return _models[arch]
 
 
 def _check(spec, target, ids, mask, new, **extra):

@@ -186,8 +186,8 @@ class DraftModel(Drafter):
         self.runner.allocate(batch_size, capacity)
 
     def prefill(self, ids, positions, slots) -> None:
-        # Only the KV is needed; the unused logits are removed by the graph passes.
-        self.runner.forward(ids, positions, slots)
+        # Only the KV is needed: the last column's logits only (eager), none once compiled (the passes)
+        self.runner.forward(ids, positions, slots, last_only=True)
 
     def _catch_up(self, ctx) -> torch.Tensor:
         lengths = ctx.lengths  # [B]

@@ -90,6 +90,15 @@ class CompileEvent:
     seconds: float
 
 
+def quarter_octave(needed: int, smallest: int) -> int:
+    """``needed`` rounded up to ``smallest`` (a power of two), or above it to a multiple of a
+    quarter of the power of two below it: 64 -> 64, 65 -> 80, 129 -> 160, 257 -> 320."""
+    if needed <= smallest:
+        return smallest
+    step = max(1, (1 << (needed - 1).bit_length()) // 8)  # needed in (2^(n-1), 2^n]: quarter of 2^(n-1)
+    return -(-needed // step) * step
+
+
 class SpeculativeGenerator:
     """A target model plus a drafter, generating speculatively.
 
@@ -240,16 +249,17 @@ class SpeculativeGenerator:
         """The KV slots a call's attention reads (issue 14, decision 45): no query of the call
         is at a position past ``prompt_width + max_new_tokens + K`` (tree: its scratch slots),
         so every slot from ``prompt_width + max_new_tokens + K + 2`` on is masked, and attention
-        may stop before it. Rounded up to a power of two from ``SpecConfig.live_kv``'s smallest
-        bucket, and to the capacity at most (no cut); the capacity when ``live_kv=False``."""
+        may stop before it. Rounded up to ``SpecConfig.live_kv``'s smallest bucket (64 by
+        default), above it to a quarter-octave step (64, 80, 96, 112, 128, 160, ..., 256, 320,
+        ...: at most 25 % more slots than needed, at most four bounds per doubling), and to the
+        capacity at most (no cut); the capacity when ``live_kv=False``."""
         capacity = self._shape[1]
         smallest = self.spec_config.live_kv
         if smallest is False:
             return capacity
-        live = 64 if smallest is True else smallest
-        while live < prompt_width + max_new_tokens + self.k + 2:
-            live *= 2
-        return min(live, capacity)
+        return min(
+            quarter_octave(prompt_width + max_new_tokens + self.k + 2, 64 if smallest is True else smallest), capacity
+        )
 
     def _live_slots(self) -> int:
         if self._live is None or self._live[0] != self._shape[1]:
@@ -377,6 +387,15 @@ class SpeculativeGenerator:
         models = [self.model, getattr(self.drafter, "model", None)]
         return tuple((m.dtype, m.device) for m in models if m is not None)
 
+    def _prefill_width(self, seq_len: int) -> int:
+        """The width prompts are left-padded to for prefill: a prompt bucket
+        (``SpecConfig.prefill_buckets``) where a graph is made per width (a compiled prefill, or
+        hidden-state taps, captured per shape), else the longest prompt itself: an eager
+        prefill padded from 104 to 256 columns did 2.5x the work."""
+        if (self.spec_config.compile and self.spec_config.compile_prefill) or self.drafter.taps:
+            return self.spec_config.bucket(seq_len)
+        return seq_len
+
     def _ensure_state(self, batch: int, needed: int) -> None:
         """Allocate state for ``batch`` rows (a batch bucket) of at least ``needed`` slots.
 
@@ -457,7 +476,7 @@ class SpeculativeGenerator:
         tr = self.target_runner
         req = resolve_generate_args(self.model, tr.vocab_size, tr.max_positions, inputs, kwargs)
         batch, seq_len = req.input_ids.shape
-        bucket = self.spec_config.bucket(seq_len)
+        bucket = self._prefill_width(seq_len)
         rows = self.spec_config.batch_bucket(batch)
         # real token j of a row sits at slot j whatever the prompt bucket (padding goes to the
         # trash slot), so the longest prompt, not its bucket, sizes the buffers: attention reads

@@ -189,9 +189,8 @@ def prefill_step(target, drafter, state: RoundState, ids: torch.Tensor, vocab: i
     slots = torch.where(real, pos, target.cache.trash_slot)
     pos = pos.clamp_min(0)
     ids = torch.where(real, ids, PLACEHOLDER)
-    out = target.forward(ids, pos, slots, taps=drafter.taps)
-    logits, features = out if drafter.taps else (out, None)
-    logits = logits[:, -1:]  # [B, 1, V]
+    out = target.forward(ids, pos, slots, taps=drafter.taps, last_only=True)
+    logits, features = out if drafter.taps else (out, None)  # logits [B, 1, V]: the last column's
     drafter.prefill(ids, pos, slots)
 
     s.tokens.scatter_(1, slots, ids)

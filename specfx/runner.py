@@ -94,6 +94,7 @@ class ModelRunner:
         # "mask_4d": explicit 4-D masks (every conforming model); "rowwise_2d": the fallback
         # chosen by the probe when the 4-D protocol fails (see _forward_rowwise).
         self.protocol = "mask_4d"
+        self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.probe_length = probe_length(config, self.mask_plan, self.max_positions)
         self.probed_capacity = 0  # the largest buffer capacity the probe vouched for (0: none yet)
         self._tree_failure: str | None = None  # the tree probe's finding ("" = passed; None = not run)
@@ -206,6 +207,7 @@ class ModelRunner:
         slots: torch.Tensor,
         tree: TreeView | None = None,
         taps: tuple[str, ...] = (),
+        last_only: bool = False,
     ):
         """ids, positions, slots ``[B, T]`` -> logits ``[B, T, V]``; writes KV at ``slots``.
         With ``taps`` (``"final"``, ``"last"``, ``"layer:i"``; see
@@ -215,22 +217,39 @@ class ModelRunner:
         for bit the untapped forward's.
         With ``tree``: the tokens are token-tree nodes, and each sees the committed prefix and
         its own ancestors only (:func:`specfx.masks.visible_slots`).
+        ``last_only``: the logits of the last column only, ``[B, 1, V]`` (prefill): the model
+        is asked for them with ``logits_to_keep=1`` when its forward takes it (HF's generate()
+        does the same in its prefill), else the full logits are sliced; with ``taps`` the
+        captured forward's logits are sliced (its graph prunes them when compiled).
 
         Positions are clamped to the model's range: only uncommitted padding ever exceeds it,
         and an out-of-range learned position embedding would fault inside a kernel.
         """
+        logits = self._forward(ids, positions, slots, tree, taps, last_only)
+        if not last_only:
+            return logits
+        if taps:
+            return logits[0][:, -1:], logits[1]
+        return logits[:, -1:]
+
+    def _forward(self, ids, positions, slots, tree, taps, last_only):
         cache = self.cache
         if self.protocol == "rowwise_2d":
             if tree is not None:
                 raise ValueError(self.tree_refusal())
             if taps:
                 raise ValueError(self.taps_refusal())
-            return self._forward_rowwise(ids, positions, slots)
+            return self._forward_rowwise(ids, positions, slots, last_only)
         if taps:
             return self._forward_tapped(ids, positions, slots, tree, taps)
         cache.slots = slots
         mask = self.mask_plan.build(positions, cache.capacity, self.mask_format, self.dtype, tree)
-        return self._call(ids, mask, positions)
+        return self._call(ids, mask, positions, **self._keep_last(last_only))
+
+    def _keep_last(self, last_only: bool) -> dict:
+        if last_only and self._takes_logits_to_keep:
+            return {"logits_to_keep": 1}
+        return {}
 
     def tree_refusal(self) -> str | None:
         """Why this model cannot verify token trees, or None if it can. Checked once per runner
@@ -374,9 +393,9 @@ class ModelRunner:
             use_cache=True,
             **kwargs,
         )
-        return out if kwargs else out.logits
+        return out.logits
 
-    def _forward_rowwise(self, ids, positions, slots):
+    def _forward_rowwise(self, ids, positions, slots, last_only: bool = False):
         """The fallback protocol for models that need a 2-D padding mask (Bloom builds its ALiBi
         bias from it): one forward per row, each with a 2-D mask over every slot and the
         row's query offset given through the cache (``get_query_offset``), from which
@@ -391,6 +410,6 @@ class ModelRunner:
             cache.row = b
             cache.slots = slots[b : b + 1]
             cache.query_offset = positions[b, -1] - (t - 1)
-            outs.append(self._call(ids[b : b + 1], mask, positions[b : b + 1]))
+            outs.append(self._call(ids[b : b + 1], mask, positions[b : b + 1], **self._keep_last(last_only)))
         cache.row = None
         return torch.cat(outs)

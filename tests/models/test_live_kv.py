@@ -92,10 +92,10 @@ def test_live_bound_only_grows_and_evicts_outgrown_graphs(one_thread):
     _check(spec, target, prompt(12, seed=3), None, 20)  # 12 + 20 + 5 -> 64 of 256 slots
     greedy = Mode(False, penalty=False)  # HF's defaults: greedy, no penalty, no sorts
     assert [e.key for e in spec.compile_events] == [("round", 1, 256, 3, greedy, False, 64)]
-    _check(spec, target, prompt(12, seed=4), None, 80)  # 12 + 80 + 5 -> 128
-    assert spec.compile_events[-1].key[-1] == 128 and list(spec._variants) == [("round", 1, 256, 3, greedy, False, 128)]
+    _check(spec, target, prompt(12, seed=4), None, 80)  # 12 + 80 + 5 = 97 -> 112 (quarter octaves above 64)
+    assert spec.compile_events[-1].key[-1] == 112 and list(spec._variants) == [("round", 1, 256, 3, greedy, False, 112)]
     _check(spec, target, prompt(6, seed=5), None, 10)
-    assert len(spec.compile_events) == 2 and list(spec._variants)[0][-1] == 128
+    assert len(spec.compile_events) == 2 and list(spec._variants)[0][-1] == 112
     _assert_cut(spec)
 
 
@@ -105,6 +105,19 @@ def test_live_kv_false_reads_the_whole_buffer(one_thread):
     _check(spec, target, prompt(12, seed=3), None, 20)
     assert [e.key[-1] for e in spec.compile_events] == [256]
     assert all("live_kv" not in dict(g.report.sites) for g in spec.graphs)
+
+
+def test_live_bound_rounds_up_by_quarter_octaves():
+    """At most 25 % more slots than a call can reach, at most four bounds per doubling."""
+    from specfx.generator import quarter_octave
+
+    assert [quarter_octave(n, 64) for n in (1, 64, 65, 81, 97, 128, 129, 167, 257, 500)] == [
+        64, 64, 80, 96, 112, 128, 160, 192, 320, 512,
+    ]  # fmt: skip
+    assert quarter_octave(9, 16) == 16 and quarter_octave(17, 16) == 20
+    for n in range(1, 5000):
+        b = quarter_octave(n, 64)
+        assert n <= b <= max(64, 1.25 * n + 8)
 
 
 @pytest.mark.parametrize("bad", [12, 4, 0, -64, "yes", None, 64.0])

@@ -403,7 +403,16 @@ class Eagle3(EagleBase):
 
     @classmethod
     def random(
-        cls, target, draft_vocab_size: int | None = None, seed: int = 0, layer_ids=None, std: float | None = None
+        cls,
+        target,
+        draft_vocab_size: int | None = None,
+        seed: int = 0,
+        layer_ids=None,
+        std: float | None = None,
+        *,
+        intermediate_size: int | None = None,
+        num_attention_heads: int | None = None,
+        num_key_value_heads: int | None = None,
     ) -> Eagle3:
         """A head for ``target`` (an HF causal LM) with seeded random weights: the target's
         sizes and rotary settings, a draft vocabulary of ``draft_vocab_size`` target ids (a
@@ -411,7 +420,14 @@ class Eagle3(EagleBase):
         ``layer_ids`` (vLLM's convention: the inputs of those decoder layers; default the
         inputs of layers 2, L // 2, L - 3). ``std`` defaults to the target's
         ``initializer_range``; norms are 1. For tests and as a start for training: its drafts
-        are meaningless until trained."""
+        are meaningless until trained.
+
+        A narrower decoder layer than the target's: ``intermediate_size`` (MLP width),
+        ``num_attention_heads`` and ``num_key_value_heads`` (each head keeps the target's
+        ``head_dim``; the key/value heads default to the target's when they divide the query
+        heads, else to the query heads). The hidden size stays the target's: the head reads
+        the target's token embeddings, and a narrower one would need its own table. All are
+        written to config.json, which vLLM, SGLang and SafeAILab read."""
         model = target.model if isinstance(target, ModelRunner) else target
         tc = model.config.get_text_config()
         vocab = model.get_output_embeddings().weight.shape[0]
@@ -420,14 +436,27 @@ class Eagle3(EagleBase):
             raise ValueError(
                 f"Eagle3.random: draft_vocab_size must be in 1..{vocab} (the target's vocabulary), got {vd}."
             )
+        for name, value in (("intermediate_size", intermediate_size), ("num_attention_heads", num_attention_heads),
+                            ("num_key_value_heads", num_key_value_heads)):  # fmt: skip
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"Eagle3.random: {name} must be a positive int, got {value!r}.")
+        heads = num_attention_heads or tc.num_attention_heads
+        target_kv = getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads
+        kv_heads = num_key_value_heads or (target_kv if target_kv <= heads and heads % target_kv == 0 else heads)
+        if heads % kv_heads:
+            raise ValueError(
+                f"Eagle3.random: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}; "
+                f"choose key/value heads that divide the query heads (e.g. num_key_value_heads=1)."
+            )
         layers = tc.num_hidden_layers
         ids = list(layer_ids) if layer_ids is not None else [2, layers // 2, layers - 3]
         config = {
             "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
             "hidden_size": tc.hidden_size,
-            "intermediate_size": getattr(tc, "intermediate_size", None) or getattr(tc, "n_inner", None) or 4 * tc.hidden_size,
-            "num_attention_heads": tc.num_attention_heads,
-            "num_key_value_heads": getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads,
+            "intermediate_size": intermediate_size or getattr(tc, "intermediate_size", None)
+            or getattr(tc, "n_inner", None) or 4 * tc.hidden_size,
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
             "head_dim": getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
             "hidden_act": "silu", "rms_norm_eps": float(getattr(tc, "rms_norm_eps", 1e-6)),
             "max_position_embeddings": getattr(tc, "max_position_embeddings", 2048),

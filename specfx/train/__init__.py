@@ -70,6 +70,9 @@ class TrainConfig:
     medusa_heads: int = 4
     medusa_layers: int = 1
     draft_vocab_size: int | None = None
+    intermediate_size: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
     ttt_steps: int = 3
     feature_noise: float = 0.1
     draft_layers: int = 2
@@ -96,7 +99,25 @@ class TrainConfig:
             raise ValueError(f"--feature-noise must be a finite number >= 0, got {self.feature_noise}.")
         if not 0 < self.heldout_permille < 1000:
             raise ValueError(f"--heldout-permille must be in 1..999, got {self.heldout_permille}.")
+        sizes = [n for n in LAYER_SIZES if getattr(self, n) is not None]
+        for name in sizes:
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}.")
+        if sizes and self.head != "eagle3":
+            raise ValueError(
+                f"--{sizes[0].replace('_', '-')} sizes an EAGLE-3 head's decoder layer; --head {self.head} has no "
+                f"such option (--head draft: --draft-hidden / --draft-layers)."
+            )
+        if (sizes or self.draft_vocab_size is not None) and self.init is not None:
+            name = (sizes or ["draft_vocab_size"])[0].replace("_", "-")
+            raise ValueError(
+                f"--{name} sizes a head trained from scratch, but --init {self.init!r} brings its own sizes; "
+                f"drop one of them."
+            )
 
+
+# The EAGLE-3 decoder layer's sizes (default: the target's).
+LAYER_SIZES = ("intermediate_size", "num_attention_heads", "num_key_value_heads")
 
 # Options a --resume may change: evaluation, checkpointing and the device, and --steps (extending
 # a run; the learning-rate schedule then follows the new value: stop early with --stop-after instead).
@@ -127,7 +148,8 @@ def build_head(cfg: TrainConfig, runner, stream, tokenizer) -> TrainHead:
         return MedusaTrain(runner, cfg.init, cfg.medusa_heads, cfg.medusa_layers, cfg.seed)
     if cfg.head == "eagle":
         return EagleTrain(runner, cfg.init, cfg.seed, cfg.feature_noise)
-    return Eagle3Train(runner, cfg.init, cfg.seed, cfg.draft_vocab_size, stream, cfg.ttt_steps)
+    sizes = {n: getattr(cfg, n) for n in LAYER_SIZES if getattr(cfg, n) is not None}
+    return Eagle3Train(runner, cfg.init, cfg.seed, cfg.draft_vocab_size, stream, cfg.ttt_steps, sizes)
 
 
 def target_pass(runner, ids: torch.Tensor, taps) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
@@ -345,6 +367,15 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="EAGLE-3 from scratch: draft vocabulary (default min(V, 32000))",
     )
+    for name, what in (("intermediate_size", "MLP width"), ("num_attention_heads", "attention heads"),
+                       ("num_key_value_heads", "key/value heads")):  # fmt: skip
+        p.add_argument(
+            "--" + name.replace("_", "-"),
+            type=int,
+            default=None,
+            help=f"EAGLE-3 from scratch: the decoder layer's {what} (default: the target's); for a head with "
+            f"fewer parameters",
+        )
     p.add_argument(
         "--feature-noise",
         type=float,

@@ -217,7 +217,7 @@ class Eagle3Train(_EagleCommon):
     kind = "eagle3"
 
     def __init__(self, runner: ModelRunner, init: str | None, seed: int, draft_vocab_size: int | None,
-                 stream: np.ndarray, ttt_steps: int):  # fmt: skip
+                 stream: np.ndarray, ttt_steps: int, sizes: dict | None = None):  # fmt: skip
         model = runner.model
         if init is not None:
             head = Eagle3(init)
@@ -227,7 +227,7 @@ class Eagle3Train(_EagleCommon):
             layers = runner.num_layers
             # vLLM's default taps (inputs of layers 2, L//2, L-3) need L >= 6; fewer: the last three boundaries
             ids = None if layers >= 6 else [max(0, layers - 3) + i for i in range(3)]
-            head = Eagle3.random(model, draft_vocab_size=size, seed=seed, layer_ids=ids)
+            head = Eagle3.random(model, draft_vocab_size=size, seed=seed, layer_ids=ids, **(sizes or {}))
             chosen = draft_vocabulary(stream, vocab, size)
             with torch.no_grad():
                 head.head.d2t.copy_(chosen - torch.arange(size))

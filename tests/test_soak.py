@@ -62,11 +62,11 @@ def test_long_lived_generator_serves_a_mixed_workload(soak):
         _check(call, target, spec, eager, batch, mode, rng)
     compiled = len(spec.compile_events)
     # the policy: one round graph per batch bucket and graph mode at the current capacity and
-    # live-KV bound (both only grow: 100 + 156 + K + 2 tokens -> 512 slots, all read). The
+    # live-KV bound (both only grow: 100 + 156 + K + 2 = 261 tokens -> 512 slots, 320 read). The
     # modes of MODES: greedy; greedy with a penalty; sampling (HF's default top_k=50 warps); and
     # sampling with a penalty
     modes = {Mode(False, penalty=False), Mode(False, penalty=True), Mode(True, penalty=False), Mode(True, penalty=True)}
-    assert {e.key for e in spec.compile_events} == {("round", b, 512, 3, m, False, 512) for b in (1, 2, 4) for m in modes}
+    assert {e.key for e in spec.compile_events} == {("round", b, 512, 3, m, False, 320) for b in (1, 2, 4) for m in modes}
     assert len(spec._variants) <= spec.spec_config.max_graphs
 
     rss = []

@@ -352,15 +352,30 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--init", default=None, help="an existing head directory to continue training from")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     defaults = TrainConfig("", "", [], "")
-    for name in ("steps", "batch_size", "seq_len", "seed", "heldout_permille", "eval_batches", "ckpt_every",
-                 "medusa_heads", "medusa_layers", "ttt_steps", "eval_prompts", "eval_prompt_len", "eval_new_tokens",
-                 "warmup"):  # fmt: skip
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
+    helps = {
+        "steps": "optimizer steps (the learning-rate schedule spans them)",
+        "batch_size": "windows per step",
+        "seq_len": "tokens per window",
+        "seed": "seeds the head's initialisation, the windows drawn and the feature noise",
+        "heldout_permille": "documents held out for evaluation, per thousand (split by a hash of the text)",
+        "eval_batches": "held-out batches for the loss and top-1 agreement shown in the progress bar",
+        "ckpt_every": "steps between checkpoints in OUT/ckpt",
+        "medusa_heads": "--head medusa: heads (head i guesses the token i + 2 ahead)",
+        "medusa_layers": "--head medusa: residual blocks per head",
+        "ttt_steps": "--head eagle3: training-time-test steps unrolled on the head's own outputs",
+        "eval_prompts": "held-out prompts for the final tau/acceptance evaluation (0: skip it)",
+        "eval_prompt_len": "tokens per evaluation prompt",
+        "eval_new_tokens": "new tokens per evaluation prompt",
+        "warmup": "linear warm-up steps before the cosine decay",
+    }
+    for name, text in helps.items():
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name),
+                       help=f"{text} (default {getattr(defaults, name)})")  # fmt: skip
     p.add_argument("--batch", dest="batch_size", type=int, default=argparse.SUPPRESS, help="alias of --batch-size")
     p.add_argument("--draft-layers", type=int, default=defaults.draft_layers, help="--head draft: decoder layers")
     p.add_argument("--draft-hidden", type=int, default=defaults.draft_hidden, help="--head draft: hidden size")
-    p.add_argument("--lr", type=float, default=defaults.lr)
-    p.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
+    p.add_argument("--lr", type=float, default=defaults.lr, help=f"peak learning rate, AdamW (default {defaults.lr})")
+    p.add_argument("--weight-decay", type=float, default=defaults.weight_decay, help="AdamW weight decay (default 0)")
     p.add_argument(
         "--draft-vocab-size",
         type=int,
@@ -383,7 +398,7 @@ def parser() -> argparse.ArgumentParser:
         help="EAGLE: half-width of the uniform noise added to the target features the head reads\n"
         "(the method's augmentation; 0 turns it off; default 0.1)",
     )
-    p.add_argument("--eval-ks", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument("--eval-ks", type=int, nargs="+", default=[2, 4, 8], help="chain lengths K evaluated at the end")
     p.add_argument(
         "--stop-after",
         type=int,
@@ -395,7 +410,7 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="compute the target's features once into OUT/features (safetensors shards) and reuse them",
     )
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="where the target and the head run: cpu (default) or cuda")
     return p
 
 

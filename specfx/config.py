@@ -34,7 +34,9 @@ class SpecConfig:
             CPU a launch is the work itself, so there is nothing to overlap). Streamers,
             stopping criteria, output_scores/logits and "auto" read every round, as before.
         prefill_buckets: prompt lengths prefill is compiled for; a prompt is left-padded up to
-            the next bucket (longer prompts use multiples of the largest bucket).
+            the next bucket (longer prompts use multiples of the largest bucket) where a graph is
+            made per width (``compile_prefill``, or a drafter with hidden-state taps); an eager
+            prefill otherwise runs at the longest prompt's width.
         min_capacity: smallest KV-buffer length per row; buffers grow in powers of two.
         auto_k_values: the K values "auto" chooses from (increasing, each in
             1..MAX_SPECULATIVE_TOKENS); each one used costs one compiled round graph.

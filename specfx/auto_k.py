@@ -30,9 +30,15 @@ Policy. Before each window K is set to
 even if every proposal were accepted ((K + 1) / t(K) <= 1 / t(0): speculation cannot beat
 plain decoding on this machine at this batch size); otherwise only after ``MIN_EVIDENCE``
 row-rounds of measured acceptance, so one unlucky round never turns speculation off. Once K = 0
-is chosen it stays for the rest of the call: a drafter that keeps state (a draft model's KV
-cache, a head's features) has not seen the tokens decoded without it. The next call starts
-again from the prior.
+is chosen it stays for the rest of the call when the drafter keeps state (a draft model's KV
+cache, a head's features): it has not seen the tokens decoded without it. A drafter whose
+proposals depend only on the row's committed tokens (``Drafter.resumable``: prompt lookup) is
+*probed* instead: after ``HOLD`` windows of K = 0, one window runs at the smallest K; its
+acceptance alone (with the prior) chooses again among all candidates, K = 0 included, and each
+probe that finds nothing doubles the wait (up to ``MAX_HOLD`` windows). A probe costs one round
+at the smallest K instead of K = 0, so the probes cost at most ``t(k_min)/t(0) - 1`` over
+``HOLD`` rounds, and text that starts to repeat (a copy, an edit) gets speculation back. When
+no K could pay even at α = 1, nothing is probed. The next call starts again from the prior.
 
 Reproducibility: K depends on the acceptance counts and on the times; the counts are exact
 functions of the seed, so seeded sampling reproduces exactly given the same times. The times
@@ -50,6 +56,7 @@ __all__ = ["AutoK", "expected_emitted"]
 DECAY = 0.8  # weight of the previous estimate per sync window
 PRIOR_ACCEPTED, PRIOR_TRIALS = 1.0, 2.0  # α̂ = 0.5 before anything is measured
 MIN_EVIDENCE = 8  # row-rounds of measured acceptance before K = 0 may be chosen on it
+HOLD, MAX_HOLD = 8, 64  # resumable drafters: K = 0 windows before a probe (doubling per failed probe)
 
 
 def expected_emitted(alpha: float, k: int) -> float:
@@ -73,13 +80,22 @@ def interpolate(times: Mapping[int, float], k: int) -> float:
 class AutoK:
     """Host-side K controller of a generator (see the module docstring). ``cost``: the constant
     model ``t(K) = 1 + cost·K``; else ``times`` (given, or measured by the generator and set with
-    :meth:`reset`)."""
+    :meth:`reset`). ``resumable``: the drafter may sit out K = 0 windows and propose again
+    (probes after speculation is turned off; see the module docstring)."""
 
-    def __init__(self, k_values: tuple[int, ...], cost: float | None = None, times: Mapping[int, float] | None = None):
+    def __init__(
+        self,
+        k_values: tuple[int, ...],
+        cost: float | None = None,
+        times: Mapping[int, float] | None = None,
+        *,
+        resumable: bool = False,
+    ):
         self.k_values = k_values
         self.candidates = (0, *k_values)
         self.cost = cost
         self.times = dict(times) if times else None
+        self.resumable = resumable
         self.reset()
 
     def reset(self, times: Mapping[int, float] | None = None) -> None:
@@ -89,7 +105,10 @@ class AutoK:
             self.times = dict(times)
         self.successes, self.trials = PRIOR_ACCEPTED, PRIOR_TRIALS
         self.evidence = 0  # row-rounds measured this call
-        self.off = False  # K = 0 chosen: speculation is off for the rest of the call
+        self.off = False  # K = 0 chosen: speculation is off (for the call, unless resumable)
+        self.unpaid = False  # no K could pay even at α = 1: off for the call, never probed
+        self.hold, self.held = HOLD, 0  # resumable: K = 0 windows before the next probe, and so far
+        self.probing = False  # the window just launched is a probe
         self._last = (0, 0, 0)  # (accepted, row_rounds, full) counters at the previous read
         self.k = self.choose()
         self.history: list[int] = []  # K of each sync window launched, for inspection and tests
@@ -105,15 +124,16 @@ class AutoK:
             return interpolate(self.times, k)
         return 1.0 + (self.cost or 0.0) * k
 
-    def choose(self) -> int:
+    def choose(self, pool: tuple[int, ...] | None = None) -> int:
         if self.off:
             return 0
         t0 = self.round_time(0)
         if all((k + 1) / self.round_time(k) <= 1.0 / t0 for k in self.k_values):
-            self.off = True  # even α = 1 would not pay
+            self.off = self.unpaid = True  # even α = 1 would not pay
             return 0
         alpha = self.alpha
-        pool = self.candidates if self.evidence >= MIN_EVIDENCE else self.k_values
+        if pool is None:
+            pool = self.candidates if self.evidence >= MIN_EVIDENCE else self.k_values
         k = max(pool, key=lambda k: (expected_emitted(alpha, k) if k else 1.0) / self.round_time(k))
         self.off = k == 0
         return k
@@ -121,14 +141,30 @@ class AutoK:
     def update(self, accepted: int, row_rounds: int, per_position: list[int]) -> int:
         """Feed the cumulative device counters read at a sync; returns K for the next window."""
         if self.off:
-            return 0
+            if not self.resumable or self.unpaid:
+                return 0
+            self.held += 1
+            if self.held < self.hold:
+                return 0
+            # probe: one window at the smallest K, from counters read now
+            self.held, self.probing, self.off = 0, True, False
+            self.k = self.k_values[0]
+            self._last = (accepted, row_rounds, per_position[self.k - 1])
+            return self.k
         full = per_position[self.k - 1]  # rows that accepted all K (the window ran with self.k)
         d_acc, d_rr, d_full = accepted - self._last[0], row_rounds - self._last[1], full - self._last[2]
-        if d_rr > 0:
-            self.successes = DECAY * self.successes + d_acc
-            self.trials = DECAY * self.trials + d_acc + d_rr - d_full
-            self.evidence += d_rr
-        self.k = self.choose()
+        if self.probing:  # the probe's acceptance alone, with the prior, chooses among every K
+            self.probing = False
+            self.successes, self.trials = PRIOR_ACCEPTED + d_acc, PRIOR_TRIALS + d_acc + d_rr - d_full
+            self.k = self.choose(self.candidates)
+            if self.off:
+                self.hold = min(2 * self.hold, MAX_HOLD)
+        else:
+            if d_rr > 0:
+                self.successes = DECAY * self.successes + d_acc
+                self.trials = DECAY * self.trials + d_acc + d_rr - d_full
+                self.evidence += d_rr
+            self.k = self.choose()
         # per_position[k - 1] of the new K is the baseline for the next window's "full" count
         self._last = (accepted, row_rounds, per_position[self.k - 1] if self.k else 0)
         return self.k

@@ -21,7 +21,9 @@ class SpecConfig:
             K is chosen before each round among 0 (no speculation: plain decoding through the
             same cache) and ``auto_k_values``, from the acceptance measured so far in the call
             and the measured time of a round (one round graph per value, so no recompiles; see
-            :mod:`specfx.auto_k` for the policy).
+            :mod:`specfx.auto_k` for the policy). None (default): "auto" for a chain, with
+            ``auto_k_values`` cut to the K the drafter can propose (Medusa: its head count);
+            unused when a tree (``tree=``, or a drafter's own, like lookahead's) sets the round.
         compile: compile each round (and prefill) into one graph; False runs the same code eagerly.
         backend: the torch.compile backend for those graphs ("specfx": the pass pipeline then
             Inductor; "specfx_eager": the passes, then the graph runs eagerly; or any Dynamo backend).
@@ -53,7 +55,8 @@ class SpecConfig:
             prompt lengths never compile anything.
         max_graphs: compiled round/prefill graphs kept per generator (least recently used
             evicted first, with the memory they hold); a graph whose buffer capacity is
-            outgrown is evicted at once.
+            outgrown is evicted at once. None (default): 16 per K a round may use (16 for a
+            fixed K or a tree, 80 for "auto" with the default ``auto_k_values``).
         live_kv: attention reads only the KV slots a call can see (the ``live_kv`` graph pass,
             :mod:`specfx.passes.live_kv`): the first ``L`` of the buffer's slots, ``L`` the
             call's last position (prompt width + max_new_tokens + K + 2) rounded up to a power
@@ -65,7 +68,7 @@ class SpecConfig:
             ``num_speculative_tokens`` (a tree that is a chain of K is exactly K). None: a chain.
     """
 
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int | str | None = None
     compile: bool = True
     backend: Any = "specfx"
     rounds_per_sync: int = 1
@@ -76,7 +79,7 @@ class SpecConfig:
     auto_k_cost: float | None = None
     auto_k_times: Any = None
     compile_prefill: bool = False
-    max_graphs: int = 16
+    max_graphs: int | None = None
     live_kv: bool | int = True
     tree: Any = None
 
@@ -92,7 +95,7 @@ class SpecConfig:
             if not isinstance(self.tree, DynamicTree):
                 object.__setattr__(self, "tree", TokenTree(self.tree))
         k = self.num_speculative_tokens
-        if k != AUTO and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS):
+        if k is not None and k != AUTO and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS):
             raise ValueError(
                 f"num_speculative_tokens must be an int in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}. "
                 f"Typical values are 2 to 8; or {AUTO!r} to choose K per round."
@@ -130,8 +133,10 @@ class SpecConfig:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}.")
         g = self.max_graphs
-        if isinstance(g, bool) or not isinstance(g, int) or g < 1:
-            raise ValueError(f"max_graphs must be an int >= 1 (compiled graphs kept per generator), got {g!r}.")
+        if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 1):
+            raise ValueError(
+                f"max_graphs must be None or an int >= 1 (compiled graphs kept per generator), got {g!r}."
+            )
         r = self.rounds_per_sync
         if isinstance(r, bool) or not isinstance(r, int) or r < 1:
             raise ValueError(f"rounds_per_sync must be an int >= 1, got {r!r}.")
@@ -152,9 +157,10 @@ class SpecConfig:
 
     @property
     def k_values(self) -> tuple[int, ...]:
-        """The K values rounds may use: ``auto_k_values`` for "auto", else ``(K,)``."""
+        """The K values rounds may use: ``auto_k_values`` for "auto" (and the default, None),
+        else ``(K,)``."""
         k = self.num_speculative_tokens
-        return self.auto_k_values if k == AUTO else (k,)
+        return self.auto_k_values if k is None or k == AUTO else (k,)
 
     @staticmethod
     def batch_bucket(batch: int) -> int:

@@ -46,6 +46,11 @@ class Drafter:
     # per head), or None for no limit: speculate() refuses a K ("auto"'s included) or a tree
     # depth beyond it.
     max_depth: int | None = None
+    # True when proposals depend only on the row's committed tokens (no KV, no features): the
+    # drafter may sit out rounds of plain decoding and propose again, so "auto" probes for
+    # speculation paying again after turning it off (specfx.auto_k). False: it keeps state that
+    # K = 0 rounds leave behind, and "auto" keeps speculation off for the rest of the call.
+    resumable = False
 
     def bind(self, target: ModelRunner) -> None:
         """Check compatibility with the target at ``speculate()`` time."""

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from transformers.utils import logging as hf_logging
 
 from .auto_k import AutoK
 from .config import AUTO, MAX_SPECULATIVE_TOKENS, SpecConfig
@@ -40,7 +41,7 @@ def speculate(
     model,
     draft=None,
     *,
-    num_speculative_tokens: int | str = 4,
+    num_speculative_tokens: int | str | None = None,
     tree=None,
     compile: bool = True,
     backend="specfx",
@@ -57,7 +58,9 @@ def speculate(
             ``specfx.drafters.DEFAULT_DRAFTERS`` (MTP heads when the model has them, otherwise
             prompt lookup). ``spec.method`` names the choice.
         num_speculative_tokens: K, proposals per round, or "auto": K chosen per round from the
-            measured acceptance among ``auto_k_values`` (one compiled round graph per value).
+            measured acceptance and round times among 0 (plain decoding) and ``auto_k_values``
+            (one compiled round graph per value). None (default): "auto", with ``auto_k_values``
+            cut to what the drafter can propose; ignored when a tree sets the round.
         tree: verify a token tree instead of a chain of K: a :class:`specfx.TokenTree` or a list
             of nodes in vLLM's convention (``[(0,), (1,), (0, 0)]``: each node a tuple of child
             ranks from the pending token). Replaces ``num_speculative_tokens``. Drafters that
@@ -144,11 +147,17 @@ class SpeculativeGenerator:
                 f"speculate(tree={self.tree!r}): branching={self.tree.branching} exceeds the target's vocabulary "
                 f"of {self.target_runner.vocab_size} tokens; lower branching."
             )
+        if config.num_speculative_tokens is None and self.tree is None:
+            config = self.spec_config = self._default_auto(config)
         self._check_depth(config)
         self.drafter.prepare_tree(self.tree)
         self.auto_k = None  # AutoK for num_speculative_tokens="auto"; .history lists the Ks used
         if config.num_speculative_tokens == AUTO:
-            self.auto_k = AutoK(config.k_values, config.auto_k_cost, config.auto_k_times)
+            resumable = self.drafter.resumable
+            self.auto_k = AutoK(config.k_values, config.auto_k_cost, config.auto_k_times, resumable=resumable)
+        # compiled graphs kept (SpecConfig.max_graphs; None: 16 per K a round may use)
+        per_k = 1 if self.tree is not None else len(config.k_values) + (self.auto_k is not None)
+        self.max_graphs = config.max_graphs or 16 * per_k
         self._round_times: dict[tuple, dict[int, float]] = {}  # "auto": graph key -> {K: seconds}
         self._last_mode = Mode(False, penalty=False)  # the last call's graph mode (round_fn's default)
         # proposals per round at most (buffers keep this many scratch slots past the pending token)
@@ -170,6 +179,14 @@ class SpeculativeGenerator:
         self._pinned = None  # overlapped reads' host buffers (CUDA)
         self.stats = SpecStats()
         self.cumulative_stats = SpecStats()
+
+    def _default_auto(self, config: SpecConfig) -> SpecConfig:
+        """``num_speculative_tokens`` left at its default for a chain: "auto", among the
+        ``auto_k_values`` the drafter can propose (all of them when none is too deep for it;
+        when every one is, they stay, and :meth:`_check_depth` says so)."""
+        limit = self.drafter.max_depth
+        values = tuple(k for k in config.auto_k_values if limit is None or k <= limit) or config.auto_k_values
+        return dataclasses.replace(config, num_speculative_tokens=AUTO, auto_k_values=values)
 
     def _check_depth(self, config: SpecConfig) -> None:
         """Refuse rounds deeper than the drafter can draft (``Drafter.max_depth``)."""
@@ -314,15 +331,17 @@ class SpeculativeGenerator:
                 self._drop(key)  # a failed compile is retried next time, not kept
                 raise
             compiled_once.append(True)
+            first_call.uncompiled = False
             self.compile_events.append(CompileEvent(key, time.monotonic() - start))
             if key in self._variants:
                 self._variants[key] = compiled_fn
             return result
 
+        first_call.uncompiled = True  # until its first call returns
         self._variants[key] = first_call
-        while len(self._variants) > self.spec_config.max_graphs:
+        while len(self._variants) > self.max_graphs:
             evicted = next(iter(self._variants))
-            logger.info("specfx: evicting the compiled graph for %s (max_graphs=%d)", evicted, self.spec_config.max_graphs)
+            logger.info("specfx: evicting the compiled graph for %s (max_graphs=%d)", evicted, self.max_graphs)
             self._drop(evicted)
         return first_call
 
@@ -559,13 +578,20 @@ class SpeculativeGenerator:
         config = self.spec_config
         if config.auto_k_times is not None or config.auto_k_cost is not None:
             return None
-        key = self.graph_key("round", mode, collect)
+        # one timing per batch bucket, capacity and mode: a call that only raises the live-KV
+        # bound (decision 45) reuses it, and compiles only the Ks it then chooses
+        key = (*self._shape, mode, collect)
         times = self._round_times.get(key)
         if times is None:
             self.state.finished.fill_(True)
             self.state.lengths.copy_(self.state.prompt_lengths)  # this call's rows (each >= 1), as prefill leaves them
             ks = (0, *config.k_values)
             fns = {k: self._variant("round", k, mode, collect) for k in ks}
+            new = [k for k in ks if getattr(fns[k], "uncompiled", False)]
+            if config.compile and new:  # a wait of minutes on a CPU: say what it is, with progress
+                logger.info("specfx: 'auto' compiles and times a round graph per K in %s (once per shape)", ks)
+                for k in hf_logging.tqdm(new, desc="specfx: compiling the round graph of each K ('auto')", unit="graph"):
+                    fns[k](k, mode, collect)
             times = {k: float("inf") for k in ks}
             for i in range(warmup + repeats):
                 for k in ks:
@@ -576,7 +602,7 @@ class SpeculativeGenerator:
                     if i >= warmup:
                         times[k] = min(times[k], time.perf_counter() - begin)
             self._round_times[key] = times
-            logger.info("specfx: auto K round times for %s: %s", key[1:], times)
+            logger.info("specfx: auto K round times for %s: %s", key, times)
         return times
 
     def _overlap_reads(self, streamer, host_tokens, collect) -> bool:

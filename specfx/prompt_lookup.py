@@ -211,6 +211,7 @@ class PromptLookup(Drafter):
 
     name = "prompt_lookup"
     supports_tree = True
+    resumable = True  # reads only the row's tokens: auto's K = 0 rounds leave nothing behind
 
     def __post_init__(self):
         for field, top in (("max_ngram", MAX_NGRAM), ("min_ngram", MAX_NGRAM), ("tree_matches", MAX_TREE_MATCHES)):

@@ -8,7 +8,7 @@ import torch
 from transformers import LogitsProcessorList
 
 import specfx
-from specfx.auto_k import MIN_EVIDENCE, AutoK, expected_emitted, interpolate
+from specfx.auto_k import HOLD, MAX_HOLD, MIN_EVIDENCE, AutoK, expected_emitted, interpolate
 from tests.conftest import left_padded, pair, prompt
 from tests.test_lossless import _chisquare, _exact, _models
 from tests.test_prompt_lookup import _copying, _repeating_prompt
@@ -24,9 +24,9 @@ def test_expected_emitted_is_the_truncated_geometric_mean(alpha, k):
 
 def _feed(policy: AutoK, accept_all: bool, windows: int, rows: int = 1) -> list[int]:
     """Simulate windows of one round each: every row accepts all K, or none. Returns the K of
-    each window."""
-    acc = rr = 0
-    per_position = [0] * max(policy.k_values)
+    each window. The counters are cumulative over the policy's call, as the device's are."""
+    counters = policy.__dict__.setdefault("_test_counters", [0, 0, [0] * max(policy.k_values)])
+    acc, rr, per_position = counters
     ks = []
     for _ in range(windows):
         k = policy.k
@@ -37,6 +37,7 @@ def _feed(policy: AutoK, accept_all: bool, windows: int, rows: int = 1) -> list[
             for i in range(k):
                 per_position[i] += rows
         policy.update(acc, rr, per_position)
+    counters[:2] = acc, rr
     return ks
 
 
@@ -87,6 +88,33 @@ def test_policy_maximises_the_modelled_speedup():
     assert policy.k == best == 8
 
 
+def test_policy_probes_again_when_the_drafter_is_resumable():
+    """A drafter without state (prompt lookup) is probed after HOLD windows of K = 0: one
+    window at the smallest K. A probe that accepts nothing turns speculation off again for twice
+    as long (up to MAX_HOLD); one that accepts everything turns it back on."""
+    policy = AutoK((1, 2, 4, 8), cost=0.4, resumable=True)  # a probe finding nothing: α̂ = 1/3, K = 0 pays
+    ks = _feed(policy, accept_all=False, windows=MIN_EVIDENCE + HOLD + 1)
+    off = ks.index(0)
+    assert off == MIN_EVIDENCE and ks[off:] == [0] * HOLD + [1]  # then one probe at K = 1, failing
+    hold = HOLD
+    for probe in range(6):  # failed probes: 2x the wait each time, capped
+        hold = min(2 * hold, MAX_HOLD)
+        assert policy.hold == hold
+        assert _feed(policy, accept_all=False, windows=hold) == [0] * hold and policy.k == 1
+        if probe < 5:
+            assert _feed(policy, accept_all=False, windows=1) == [1]
+    assert policy.hold == MAX_HOLD
+    ks = _feed(policy, accept_all=True, windows=3)  # the probe accepts: speculation is back
+    assert ks[0] == 1 and min(ks[1:]) >= 1 and ks[2] > 1 and not policy.off
+
+
+def test_policy_never_probes_when_the_drafter_keeps_state_or_no_k_can_pay():
+    stateful = AutoK((1, 2, 4, 8), cost=0.05)
+    assert _feed(stateful, accept_all=False, windows=MIN_EVIDENCE + 4 * MAX_HOLD)[MIN_EVIDENCE:] == [0] * 4 * MAX_HOLD
+    unpaid = AutoK((1, 2, 4, 8), cost=1.0, resumable=True)
+    assert _feed(unpaid, accept_all=True, windows=4 * MAX_HOLD) == [0] * 4 * MAX_HOLD
+
+
 def test_policy_restarts_from_the_prior_each_call():
     policy = AutoK((1, 2, 4, 8), cost=0.05)
     start = policy.k
@@ -108,6 +136,21 @@ def test_greedy_equals_generate_while_k_changes(one_thread):
         assert spec.stats.row_rounds == spec.stats.rounds  # batch 1
         assert spec.stats.tokens_per_round == spec.stats.emitted / spec.stats.rounds
     assert len(seen) > 1, "the policy never changed K: the test would not exercise switching"
+
+
+def test_prompt_lookup_gets_speculation_back_after_turning_it_off(one_thread):
+    """The copying model's output is random before it enters its cycle (prompt lookup accepts
+    little: speculation goes off), then copies: the probe finds that and speculation resumes.
+    Output equals generate() throughout."""
+    target = _copying("llama")
+    spec = specfx.speculate(target, draft="prompt_lookup", auto_k_times={0: 1.0, 8: 2.0}, compile=False)
+    ids = prompt(6, seed=0)
+    kw = dict(max_new_tokens=80, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(spec.generate(ids, **kw), target.generate(ids, **kw))
+    history = spec.auto_k.history
+    off = history.index(0)
+    assert history[off : off + HOLD] == [0] * HOLD and history[off + HOLD] == 1  # held, then probed
+    assert max(history[off + HOLD :]) == 8  # ... and the copy is drafted at the largest K
 
 
 def test_auto_with_a_draft_model_and_a_left_padded_batch(one_thread):
@@ -149,22 +192,58 @@ def test_sampling_with_auto_matches_exact_distribution():
 @pytest.mark.compiled
 def test_one_graph_per_k_and_no_recompiles(one_thread):
     """Dynamo-captured rounds (specfx passes, no Inductor, to keep it fast): each candidate K
-    has exactly one round graph, compiled once; later calls with any prompt add none."""
+    has exactly one round graph per live-KV bound, compiled once; the first call compiles and
+    times all of them, a call that raises the bound compiles only the Ks it uses; later calls
+    with any prompt add none."""
     target = _copying("llama")
     spec = specfx.speculate(target, num_speculative_tokens="auto", auto_k_values=(1, 4), backend="specfx_eager")
     used = set()
     counts = []
+    chosen = {}  # live bound -> the Ks its calls ran
     for seed, new in [(0, 40), (1, 30), (2, 50), (3, 20), (0, 40)]:
         ids = _repeating_prompt(seed, length=10, span=10)
         assert torch.equal(spec.generate(ids, max_new_tokens=new), target.generate(ids, max_new_tokens=new))
         used |= set(spec.auto_k.history)
+        chosen.setdefault(spec._live[1], set()).update(spec.auto_k.history)
         counts.append(len(spec.graphs))
-        # one round graph per candidate K (0, 1, 4), all timed before the first call of a
-        # shape, and nothing else (prefill runs eagerly); a longer call raises the live-KV
-        # bound (decision 45), a new shape: its three graphs once more
-        assert len(spec.graphs) == 3 * len({e.key[-1] for e in spec.compile_events})
+        # nothing but round graphs (prefill runs eagerly), one per (K, live bound)
+        keys = [e.key for e in spec.compile_events]
+        assert len(spec.graphs) == len(keys) == len(set(keys)) and {k[0] for k in keys} == {"round"}
+        bounds = sorted({k[-1] for k in keys})
+        assert {k[3] for k in keys if k[-1] == bounds[0]} == {0, 1, 4}  # all timed at the first call
+        for bound in bounds[1:]:  # a raised bound compiles the Ks its calls chose, not all three
+            assert {k[3] for k in keys if k[-1] == bound} == chosen[bound]
+    assert len(bounds) == 2 and len(spec._round_times) == 1  # one timing for both bounds
     assert used <= {0, 1, 4} and spec.auto_k.times.keys() == {0, 1, 4}
     assert counts[-1] == counts[-2] == counts[-3]  # warm: nothing compiled any more
+
+
+# --------------------------------------------------------------------------- the default
+def test_auto_is_the_default_for_chains_cut_to_what_the_drafter_can_propose(one_thread):
+    """num_speculative_tokens left out: "auto" among (0, 1, 2, 4, 8), or among the Ks Medusa's
+    heads reach; a tree (given, or lookahead's own) sets the round instead; an explicit K stays
+    that K. The graph cache scales with the Ks a round may use."""
+    target, draft = pair("llama", "small")
+    spec = specfx.speculate(target, draft=draft, compile=False)
+    assert spec.spec_config.num_speculative_tokens == "auto" and spec.spec_config.auto_k_values == (1, 2, 4, 8)
+    assert spec.auto_k is not None and not spec.auto_k.resumable and spec.max_graphs == 16 * 5
+    assert specfx.speculate(target, compile=False).auto_k.resumable  # prompt lookup: probed after K = 0
+    medusa = specfx.Medusa.random(target.config.hidden_size, target.config.vocab_size, num_heads=3)
+    heads = specfx.speculate(target, draft=medusa, compile=False)
+    assert heads.spec_config.auto_k_values == (1, 2) and heads.auto_k.candidates == (0, 1, 2)
+    ids = prompt(8, seed=1)
+    kw = dict(max_new_tokens=20, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(heads.generate(ids, **kw), target.generate(ids, **kw))
+    assert set(heads.auto_k.history) <= {0, 1, 2}
+    tree = specfx.speculate(target, draft=draft, tree=[(0,), (1,), (0, 0)], compile=False)
+    assert tree.auto_k is None and tree.tree is not None and tree.max_graphs == 16
+    lookahead = specfx.speculate(target, draft="lookahead:4,3,2", compile=False)
+    assert lookahead.auto_k is None and lookahead.tree is not None
+    fixed = specfx.speculate(target, draft=draft, num_speculative_tokens=4, compile=False)
+    assert fixed.auto_k is None and fixed.k == 4 and fixed.max_graphs == 16
+    assert specfx.speculate(target, draft=draft, compile=False, max_graphs=3).max_graphs == 3
+    with pytest.raises(ValueError, match=r"auto_k_values=\(4, 8\) asks for up to 8 proposals .* at most 3"):
+        specfx.speculate(target, draft=medusa, auto_k_values=(4, 8), compile=False)  # none reachable: refused
 
 
 # --------------------------------------------------------------------------- bad input

@@ -193,14 +193,15 @@ def test_encoder_decoder_draft(models):
     guard.check()
 
 
-# draft=None is not an error: the default drafter (tests/test_prompt_lookup.py).
+# draft=None is not an error: the default drafter (tests/test_prompt_lookup.py); nor is
+# num_speculative_tokens=None: the default, "auto" (tests/test_auto_k.py).
 
 
 # --------------------------------------------------------------------------- speculate(): K
 @pytest.mark.parametrize(
     "k",
-    [0, -1, 1.5, True, False, "4", None, 4.0, K_MAX + 1, 1000],
-    ids=["zero", "negative", "float", "bool_true", "bool_false", "string", "none", "float_integral", "above_max", "huge"],
+    [0, -1, 1.5, True, False, "4", 4.0, K_MAX + 1, 1000],
+    ids=["zero", "negative", "float", "bool_true", "bool_false", "string", "float_integral", "above_max", "huge"],
 )
 def test_num_speculative_tokens_invalid(models, k):
     target, draft = models

@@ -158,7 +158,7 @@ class SpeculativeGenerator:
         # compiled graphs kept (SpecConfig.max_graphs; None: 16 per K a round may use)
         per_k = 1 if self.tree is not None else len(config.k_values) + (self.auto_k is not None)
         self.max_graphs = config.max_graphs or 16 * per_k
-        self._round_times: dict[tuple, dict[int, float]] = {}  # "auto": graph key -> {K: seconds}
+        self._round_times: dict[tuple, dict[int, float]] = {}  # "auto": (rows, capacity, mode, collect) -> {K: s}
         self._last_mode = Mode(False, penalty=False)  # the last call's graph mode (round_fn's default)
         # proposals per round at most (buffers keep this many scratch slots past the pending token)
         self.k = max(config.k_values) if self.tree is None else self.tree.scratch_slots + self.drafter.branch_slots
@@ -317,11 +317,9 @@ class SpeculativeGenerator:
             backend = make_backend(self.spec_config.backend, self.graphs, live=LiveKV(capacity, live))
         compiled_fn = torch.compile(bound, backend=backend, fullgraph=True, dynamic=False)
 
-        compiled_once = []
-
         def first_call(*args):
             # the host loop may call this object several times (rounds_per_sync > 1)
-            if compiled_once:
+            if not first_call.uncompiled:
                 return compiled_fn(*args)
             logger.info("specfx: compiling the %s graph for %s (first use of this variant)", kind, key[1:])
             start = time.monotonic()
@@ -330,7 +328,6 @@ class SpeculativeGenerator:
             except BaseException:
                 self._drop(key)  # a failed compile is retried next time, not kept
                 raise
-            compiled_once.append(True)
             first_call.uncompiled = False
             self.compile_events.append(CompileEvent(key, time.monotonic() - start))
             if key in self._variants:

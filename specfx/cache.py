@@ -1,7 +1,8 @@
 """Static KV storage written at per-row slots held in device tensors.
 
 specfx hands the model an HF ``Cache`` (the stable hook every decoder in transformers calls
-as ``past_key_values.update(k, v, layer_idx)``) whose layers own preallocated buffers::
+as ``cache.update(k, v, layer_idx)``, passed as ``cache``, or ``past_key_values`` before
+transformers 5.24) whose layers own preallocated buffers::
 
     keys, values   # [B, kv_heads, capacity, head_dim] per layer, allocated once
 

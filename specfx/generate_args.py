@@ -43,6 +43,7 @@ _UNSUPPORTED_CALL_ARGS = {
     "negative_prompt_ids": "classifier-free guidance is not supported",
     "negative_prompt_attention_mask": "classifier-free guidance is not supported",
     "inputs_embeds": "pass input_ids: the round drafts and verifies token ids",
+    "cache": "specfx owns the cache (static per-row buffers)",
     "past_key_values": "specfx owns the cache (static per-row buffers)",
     "synced_gpus": "multi-GPU synced generation is not supported",
     "custom_generate": "custom generation loops are not supported",

@@ -476,8 +476,9 @@ class SpeculativeGenerator:
         eos_token_id (int or list), pad_token_id, generation_config, streamer,
         stopping_criteria, max_time, return_dict_in_generate (with output_scores,
         output_logits), logits_to_keep. Returns what HF returns: a ``[B, S + new]`` LongTensor,
-        or a ``GenerateDecoderOnlyOutput`` with ``sequences``, ``past_key_values`` and, when asked,
-        ``scores``/``logits``.
+        or a ``GenerateDecoderOnlyOutput`` with ``sequences``, the cache to continue from (a
+        ``DynamicCache`` in the field HF's installed release uses: ``cache`` from transformers
+        5.24 on, ``past_key_values`` before) and, when asked, ``scores``/``logits``.
         Arguments it cannot honour raise ``ValueError`` naming the argument.
 
         Safe to call from several threads (calls are serialised) and under

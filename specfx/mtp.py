@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from .cache import SlotCache
 from .drafters import TREE_DRAFTERS, Drafter, draft_chain, stash_at
 from .graph_utils import mark_static
+from .hf_names import cache_kwarg
 from .masks import check_attn_implementation, layer_pattern, to_format, visible_slots
 from .runner import ModelRunner
 
@@ -224,6 +225,7 @@ class MTP(Drafter):
         # per MTP layer: ("full", None) | ("sliding", W) | ("chunked", S)
         self.patterns = [layer_pattern(config, t, owner) for t in self.layer_types]
         self.mask_format = check_attn_implementation(self.mtp)
+        self.cache_kwarg = cache_kwarg(self.mtp.layers[0])  # "cache" from transformers 5.24 on
         self.target = target
         self.vocab = target.vocab_size
 
@@ -270,7 +272,7 @@ class MTP(Drafter):
             position_embeddings=rope,
             attention_mask=self._mask(i, positions),
             position_ids=positions,
-            past_key_values=self.cache,
+            **{self.cache_kwarg: self.cache},
         )
         if getattr(mtp, "use_shared_post_norm", False):
             out = mtp.shared_post_norm(out)

@@ -14,12 +14,13 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from .cache import SlotCache
+from .hf_names import cache_kwarg, output_cache_field
 
-__all__ = ["build_past_key_values", "generate_output", "step_tuples"]
+__all__ = ["build_output_cache", "generate_output", "step_tuples"]
 
 
 @torch.no_grad()
-def build_past_key_values(
+def build_output_cache(
     model,
     cache: SlotCache,
     sequences: torch.Tensor,
@@ -52,7 +53,7 @@ def build_past_key_values(
     dynamic = DynamicCache(config=model.config.get_text_config(decoder=True))
     if len(dynamic.layers) != len(cache.layers):
         raise ValueError(
-            f"return_dict_in_generate: cannot return past_key_values for {type(model).__name__}: its "
+            f"return_dict_in_generate: cannot return the cache for {type(model).__name__}: its "
             f"HF cache has {len(dynamic.layers)} layers where specfx keeps {len(cache.layers)} (shared "
             f"or non-KV layers). Pass return_dict_in_generate=False, or run model.generate() to continue "
             f"from a cache."
@@ -78,7 +79,8 @@ def _forward_tail(model, dynamic: DynamicCache, sequences: torch.Tensor, padding
         kwargs["position_ids"] = (cols - padding.unsqueeze(1))[:, start:]  # >= 1: past every prompt
     if "logits_to_keep" in params:
         kwargs["logits_to_keep"] = 1  # only the KV is wanted
-    model(input_ids=sequences[:, start:end], attention_mask=mask, past_key_values=dynamic, use_cache=True, **kwargs)
+    kwargs[cache_kwarg(model.forward)] = dynamic
+    model(input_ids=sequences[:, start:end], attention_mask=mask, use_cache=True, **kwargs)
 
 
 def _gather(buffer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -128,16 +130,18 @@ def step_tuples(
 
 def generate_output(model, cache: SlotCache, req, sequences: torch.Tensor, counts: torch.Tensor, steps=None):
     """HF's ``GenerateDecoderOnlyOutput`` for ``return_dict_in_generate=True``: ``sequences``
-    ``[B, S + W]``, ``past_key_values`` (see :func:`build_past_key_values`) and, when asked
+    ``[B, S + W]``, the cache (see :func:`build_output_cache`; the field is ``cache`` from
+    transformers 5.24 on, ``past_key_values`` before, as in HF's own output) and, when asked
     for, ``scores``/``logits`` (see :func:`step_tuples`); ``counts [B]`` are the new tokens per
     row; ``steps`` the generator's per-call list of ``(scores, logits [B, T, V], n_emitted
     [B])``, prefill first (T = 1), then one entry per round."""
     from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-    pkv = build_past_key_values(model, cache, sequences, req.prompt_lengths, counts)
+    dynamic = build_output_cache(model, cache, sequences, req.prompt_lengths, counts)
     tuples = {}
     for name, index, wanted in (("scores", 0, req.output_scores), ("logits", 1, req.output_logits)):
         if wanted and steps:
             first, *rounds = steps
             tuples[name] = step_tuples(first[index][:, 0], [(s[index], s[2]) for s in rounds], counts)
-    return GenerateDecoderOnlyOutput(sequences=sequences, past_key_values=pkv, **tuples)
+    tuples[output_cache_field(GenerateDecoderOnlyOutput)] = dynamic
+    return GenerateDecoderOnlyOutput(sequences=sequences, **tuples)

@@ -1,7 +1,7 @@
 """The incremental-decoding probe: a model is speculated only if specfx's path reproduces it.
 
 specfx drives a model through hooks (a :class:`~specfx.cache.SlotCache` as
-``past_key_values``, an explicit mask, ``position_ids``). A model that ignores one of them
+its cache argument, an explicit mask, ``position_ids``). A model that ignores one of them
 (bidirectional heads, positions taken from the cache length, a local-attention window built
 from the cache's key length as GPT-Neo does) would silently generate other tokens. So before a
 model is used, and again whenever its buffers grow past every capacity checked so far, the

@@ -10,6 +10,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from .cache import SlotCache
 from .capture import CapturedForward, CaptureError, capture_forward, decoder_layer_names
+from .hf_names import cache_kwarg
 from .masks import TreeView, check_attn_implementation, mask_plan
 from .passes.driver import run_passes
 from .passes.hidden_taps import check_tap_names, hidden_taps
@@ -59,16 +60,17 @@ def check_causal_lm(model, role: str) -> None:
             f"layers). Speculation needs to discard rejected tokens per row, which such state "
             f"cannot undo, so specfx cannot speculate this model."
         )
-    if "past_key_values" not in inspect.signature(model.forward).parameters:
+    if cache_kwarg(model.forward) is None:
         raise ValueError(
-            f"{role} ({name}) does not take a KV cache (its forward has no past_key_values "
-            f"argument), so its decoding cannot be driven incrementally; specfx cannot speculate it."
+            f"{role} ({name}) does not take a KV cache (its forward has neither a cache nor a "
+            f"past_key_values argument), so its decoding cannot be driven incrementally; specfx "
+            f"cannot speculate it."
         )
 
 
 class ModelRunner:
-    """Calls an HF causal LM through the stable hooks: a :class:`SlotCache` as
-    ``past_key_values``, a 4-D ``attention_mask`` and ``position_ids``.
+    """Calls an HF causal LM through the stable hooks: a :class:`SlotCache` as its cache
+    argument (``cache``, or ``past_key_values`` before transformers 5.24), a 4-D ``attention_mask`` and ``position_ids``.
 
     The model object is used as is (no weights copied, nothing patched).
     """
@@ -95,6 +97,7 @@ class ModelRunner:
         # chosen by the probe when the 4-D protocol fails (see _forward_rowwise).
         self.protocol = "mask_4d"
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._cache_kwarg = cache_kwarg(model.forward)  # "cache" (transformers >= 5.24) or "past_key_values"
         self.probe_length = probe_length(config, self.mask_plan, self.max_positions)
         self.probed_capacity = 0  # the largest buffer capacity the probe vouched for (0: none yet)
         self._tree_failure: str | None = None  # the tree probe's finding ("" = passed; None = not run)
@@ -389,8 +392,8 @@ class ModelRunner:
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
-            past_key_values=self.cache,
             use_cache=True,
+            **{self._cache_kwarg: self.cache},
             **kwargs,
         )
         return out.logits

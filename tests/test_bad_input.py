@@ -16,6 +16,7 @@ from transformers import (
     AutoConfig,
     AutoModel,
     AutoModelForSeq2SeqLM,
+    DynamicCache,
     LogitsProcessorList,
     TemperatureLogitsWarper,
 )
@@ -400,6 +401,11 @@ GENERATE_CASES = {
     "prefix_allowed_tokens_fn": (
         lambda s, d: s.generate(_ids(), max_new_tokens=5, prefix_allowed_tokens_fn=lambda b, ids: [3]),
         ValueError, r"prefix_allowed_tokens_fn is not supported"),
+    # a cache to continue from: HF's argument is `cache` from transformers 5.24 on, `past_key_values` before
+    "cache": (lambda s, d: s.generate(_ids(), max_new_tokens=5, cache=DynamicCache()),
+              ValueError, r"generate\(\): cache is not supported: specfx owns the cache"),
+    "past_key_values": (lambda s, d: s.generate(_ids(), max_new_tokens=5, past_key_values=DynamicCache()),
+                        ValueError, r"generate\(\): past_key_values is not supported: specfx owns the cache"),
     # attention masks
     "attention_mask_right_padding": (
         lambda s, d: s.generate(_ids(), attention_mask=_mask_right_padded(), max_new_tokens=5),

@@ -1,6 +1,7 @@
 """``return_dict_in_generate=True`` outputs in HF's layout (issue 16, item 5).
 
-``past_key_values`` is checked the way a user relies on it: continuing from it with the plain
+The returned cache (``cache`` from transformers 5.24 on, ``past_key_values`` before) is
+checked the way a user relies on it: continuing from it with the plain
 model gives what continuing from HF's own returned cache gives.
 """
 
@@ -13,9 +14,10 @@ from transformers.cache_utils import DynamicCache
 
 import specfx
 from specfx.cache import SlotCache
+from specfx.hf_names import cache_kwarg, output_cache, output_cache_field
 from specfx.models.architectures import ARCHITECTURES
 from specfx.models.tiny import tiny_causal_lm
-from specfx.outputs import build_past_key_values, step_tuples
+from specfx.outputs import build_output_cache, step_tuples
 from tests.conftest import left_padded, pair, prompt
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -39,7 +41,7 @@ def _continue(model, cache, sequences, mask, steps=2):
     token = sequences[:, -1:]
     logits = []
     for _ in range(steps):
-        out = model(token, past_key_values=cache, attention_mask=mask, use_cache=True)
+        out = model(token, attention_mask=mask, use_cache=True, **{cache_kwarg(model): cache})
         logits.append(out.logits[:, -1])
         token = out.logits[:, -1:].argmax(-1)
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
@@ -76,7 +78,7 @@ def _batch(kind):
         ("deepseek_v3", "left_padded_batch2"),  # latent attention: keys and values of different widths
     ],
 )
-def test_past_key_values_continue_like_hfs(arch, kind):
+def test_returned_cache_continue_like_hfs(arch, kind):
     model = _model(arch)
     ids, mask = _batch(kind)
     kw = dict(attention_mask=mask, max_new_tokens=14, eos_token_id=None, pad_token_id=0, return_dict_in_generate=True)
@@ -84,23 +86,23 @@ def test_past_key_values_continue_like_hfs(arch, kind):
     out = _spec(model).generate(ids, **kw)
     assert torch.equal(out.sequences, hf.sequences)
     full_mask = torch.cat([mask, torch.ones_like(hf.sequences[:, ids.shape[1] :])], dim=1)
-    _assert_same_continuation(model, out.past_key_values, hf.past_key_values, out.sequences, full_mask)
+    _assert_same_continuation(model, output_cache(out), output_cache(hf), out.sequences, full_mask)
 
 
-def test_past_key_values_continue_with_generate():
+def test_returned_cache_continue_with_generate():
     model = _model("llama")
     ids, mask = _batch("left_padded_batch2")
     kw = dict(attention_mask=mask, max_new_tokens=8, eos_token_id=None, pad_token_id=0, return_dict_in_generate=True)
     out = _spec(model).generate(ids, **kw)
-    assert out.past_key_values.get_seq_length() == out.sequences.shape[1] - 1
+    assert output_cache(out).get_seq_length() == out.sequences.shape[1] - 1
     full_mask = torch.cat([mask, torch.ones_like(out.sequences[:, ids.shape[1] :])], dim=1)
     more = dict(attention_mask=full_mask, max_new_tokens=6, eos_token_id=None, pad_token_id=0)
-    continued = model.generate(out.sequences, past_key_values=out.past_key_values, **more)
+    continued = model.generate(out.sequences, **{output_cache_field(): output_cache(out)}, **more)
     assert torch.equal(continued, model.generate(out.sequences, **more))
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
-def test_past_key_values_of_a_row_that_finished_early(arch):
+def test_returned_cache_of_a_row_that_finished_early(arch):
     """Row 0 stops at an EOS; HF kept forwarding its pad tokens (mask 1) until row 1 ended,
     so its cache holds their KV, and continuing with the usual all-ones mask sees them."""
     model = _model(arch)
@@ -113,7 +115,7 @@ def test_past_key_values_of_a_row_that_finished_early(arch):
     out = _spec(model).generate(ids, **kw)
     assert torch.equal(out.sequences, hf.sequences) and int(out.sequences[0, -1]) == 5
     full_mask = torch.cat([mask, torch.ones_like(out.sequences[:, 7:])], dim=1)
-    _assert_same_continuation(model, out.past_key_values, hf.past_key_values, out.sequences, full_mask)
+    _assert_same_continuation(model, output_cache(out), output_cache(hf), out.sequences, full_mask)
 
 
 class _StopAtLength(StoppingCriteria):
@@ -124,7 +126,7 @@ class _StopAtLength(StoppingCriteria):
         return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool)
 
 
-def test_past_key_values_stop_where_stopping_criteria_stop():
+def test_returned_cache_stop_where_stopping_criteria_stop():
     """A criterion can cut a row inside a round: the cache must end where ``sequences`` ends."""
     model = _model("llama")
     ids, mask = _batch("batch1")
@@ -133,7 +135,7 @@ def test_past_key_values_stop_where_stopping_criteria_stop():
     out = _spec(model).generate(ids, stopping_criteria=StoppingCriteriaList([_StopAtLength(7 + 9)]), **kw)
     assert torch.equal(out.sequences, hf.sequences) and out.sequences.shape[1] == 7 + 9
     _assert_same_continuation(
-        model, out.past_key_values, hf.past_key_values, out.sequences, torch.ones_like(out.sequences)
+        model, output_cache(out), output_cache(hf), out.sequences, torch.ones_like(out.sequences)
     )
 
 
@@ -149,13 +151,13 @@ def _slot_cache(batch, capacity, layers=2, heads=1, dim=1):
     return cache
 
 
-def test_build_past_key_values_layout():
+def test_build_output_cache_layout():
     """Prompt width 4: row 0 has 2 real prompt tokens and 3 new, row 1 has 4 and 3 new; the
     sequences are 4 + 3 wide, so the cache holds 6 entries per row."""
     model = _model("llama")
     cache = _slot_cache(2, 16)
     sequences = torch.zeros(2, 7, dtype=torch.long)
-    pkv = build_past_key_values(model, cache, sequences, torch.tensor([2, 4]), torch.tensor([3, 3]))
+    pkv = build_output_cache(model, cache, sequences, torch.tensor([2, 4]), torch.tensor([3, 3]))
     keys = pkv.layers[0].keys[:, 0, :, 0]
     assert keys.tolist() == [
         [0, 0, 100, 101, 102, 103],  # 2 pads (zeros), then prompt + new tokens but the last one
@@ -164,10 +166,10 @@ def test_build_past_key_values_layout():
     assert torch.equal(pkv.layers[1].values, -pkv.layers[1].keys)
 
 
-def test_build_past_key_values_refuses_a_layer_count_mismatch():
+def test_build_output_cache_refuses_a_layer_count_mismatch():
     model = _model("llama")  # 2 layers
-    with pytest.raises(ValueError, match=r"cannot return past_key_values .* 2 layers where specfx keeps 3"):
-        build_past_key_values(
+    with pytest.raises(ValueError, match=r"cannot return the cache .* 2 layers where specfx keeps 3"):
+        build_output_cache(
             model,
             _slot_cache(1, 8, layers=3),
             torch.zeros(1, 3, dtype=torch.long),

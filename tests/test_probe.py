@@ -8,6 +8,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import specfx
 from specfx.cache import SlotCache
+from specfx.hf_names import cache_kwarg
 from specfx.masks import MaskPlan
 from specfx.models.tiny import perturbed_copy, tiny_causal_lm
 from specfx.probe import REL_TOL, attention_spans, compare, probe_length
@@ -41,7 +42,7 @@ def _perturb_incremental(model, fn):
     edits the logits in place. Returns the hook handle."""
 
     def hook(module, args, kwargs, output):
-        cache = kwargs.get("past_key_values")
+        cache = kwargs.get(cache_kwarg(module))
         if isinstance(cache, SlotCache):
             fn(cache, output.logits)
 

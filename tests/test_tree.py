@@ -16,6 +16,7 @@ from scipy import stats
 import specfx
 from specfx import tree_round
 from specfx.drafters import DraftModel
+from specfx.hf_names import output_cache
 from specfx.passes.no_host_sync import offending_nodes
 from specfx.runner import ModelRunner
 from specfx.tree import MAX_TREE_NODES, TokenTree, TreeTensors, resolve_tree
@@ -451,7 +452,7 @@ def test_committed_kv_equals_a_fresh_prefill(arch, padded, monkeypatch, one_thre
 
 def test_return_dict_with_a_tree_matches_hf(one_thread):
     """With paths through second children and a repetition penalty: HF's per-step scores and
-    logits (those of the accepted path's nodes), and past_key_values (built from the compacted
+    logits (those of the accepted path's nodes), and the returned cache (built from the compacted
     KV) that continue like HF's; batch 3, so the buffers hold an inert fourth row."""
     from tests.test_outputs import _assert_same_continuation
 
@@ -466,7 +467,7 @@ def test_return_dict_with_a_tree_matches_hf(one_thread):
     for a, b in zip(ours.scores + ours.logits, hf.scores + hf.logits, strict=True):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     full_mask = torch.cat([mask, torch.ones_like(hf.sequences[:, ids.shape[1] :])], dim=1)
-    _assert_same_continuation(target, ours.past_key_values, hf.past_key_values, ours.sequences, full_mask)
+    _assert_same_continuation(target, output_cache(ours), output_cache(hf), ours.sequences, full_mask)
 
 
 # --------------------------------------------------------------------------- greedy equality

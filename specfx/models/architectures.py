@@ -1,7 +1,7 @@
 """The architecture conformance table: what specfx supports, per HF model type.
 
 The engine has no per-architecture code: :class:`specfx.runner.ModelRunner` drives every model
-through the same hooks (``past_key_values.update``, a 4-D mask or a dict of them keyed by
+through the same hooks (``cache.update`` on the cache argument, a 4-D mask or a dict of them keyed by
 ``config.layer_types``, ``position_ids``) and refuses, at ``speculate()``, models whose state it
 cannot roll back. This table is *declarative*: it records what was verified for each model type
 and what makes the architecture interesting, and the conformance tests
@@ -135,8 +135,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         "its forward ignores config.sliding_window (full causal mask) while its generate() cache "
         "windows to it, so no incremental path matches both (caught by the incremental-decoding probe)"
     ),
-    "openai-gpt": _r("no KV cache (forward has no past_key_values)"),
-    "xlnet": _r("no KV cache (forward has no past_key_values)"),
+    "openai-gpt": _r("no KV cache (forward takes no cache argument)"),
+    "xlnet": _r("no KV cache (forward takes no cache argument)"),
     # --- not yet
     "blenderbot-small": _u("its generation config forces EOS (forced_eos_token_id), which specfx does not implement"),
     "gemma3n_text": _u("layers share KV across layers (KV-sharing layers write no cache)"),

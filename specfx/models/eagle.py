@@ -72,6 +72,7 @@ from torch import nn
 from ..cache import SlotCache
 from ..drafters import Drafter, draft_chain, stash_at
 from ..graph_utils import mark_static
+from ..hf_names import cache_kwarg
 from ..masks import TreeView, check_attn_implementation, layer_pattern, mask_plan, to_format, visible_slots
 from ..runner import ModelRunner
 from ..tree_round import draft_dynamic_tree, draft_tree, level_inputs, tree_view
@@ -493,6 +494,7 @@ class Eagle(EagleBase):
         self.lm_head = model.get_output_embeddings()
         self.fc.to(device=target.device, dtype=target.dtype)
         self.layer.to(device=target.device, dtype=target.dtype)
+        self.cache_kwarg = cache_kwarg(self.layer)  # "cache" from transformers 5.24 on
         self.state_size = self.fc.out_features
 
     # ----------------------------------------------------------------- the head
@@ -509,8 +511,8 @@ class Eagle(EagleBase):
             x,
             attention_mask=self._entry_mask(positions, tree, self.pattern),
             position_ids=positions,
-            past_key_values=self.cache,
             position_embeddings=rope,
+            **{self.cache_kwarg: self.cache},
         )
         return out[0] if isinstance(out, tuple) else out
 

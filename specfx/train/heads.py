@@ -166,7 +166,7 @@ class EagleTrain(_EagleCommon):
         rope = head.rotary(x, pos, **kwargs)
         n = pos.shape[1]
         mask = to_format(visible_slots(pos - 1, n, head.pattern), head.mask_format, x.dtype)  # keys: positions 1..T-1
-        out = head.layer(x, attention_mask=mask, position_ids=pos, past_key_values=None, position_embeddings=rope)
+        out = head.layer(x, attention_mask=mask, position_ids=pos, position_embeddings=rope)
         return out[0] if isinstance(out, tuple) else out
 
     def loss(self, ids, features, logits, step=None):

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from specfx.hf_names import cache_kwarg
 from specfx.models.tiny import tiny_causal_lm
 from specfx.passes import make_backend
 
@@ -179,7 +180,7 @@ def _forward(model):
 
 
 def _forward_cached(model):
-    return lambda ids, cache: model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+    return lambda ids, cache: model(input_ids=ids, use_cache=True, **{cache_kwarg(model): cache}).logits
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
@@ -198,7 +199,7 @@ def test_hf_forward_with_dynamic_cache_matches_eager(arch, one_thread):
     ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
-        model(input_ids=ids[:, :5], past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:, :5], use_cache=True, **{cache_kwarg(model): cache})
         cache_c = copy.deepcopy(cache)
         expected = _forward_cached(model)(ids[:, 5:], cache)
         got = torch.compile(_forward_cached(model), backend="specfx_eager")(ids[:, 5:], cache_c)

@@ -1,0 +1,59 @@
+"""The names transformers gives the KV cache, resolved in one place for every supported release.
+
+transformers 5.24 renamed the cache argument of every forward (models, decoder layers,
+attention modules, MTP layers) from ``past_key_values`` to ``cache``, keeping the old name as a
+deprecated alias until 5.40, and the output classes' field (``GenerateDecoderOnlyOutput``,
+``CausalLMOutputWithPast``) with it. specfx supports releases on both sides, so it never writes
+either name by hand: it asks the callable it is about to call (:func:`cache_kwarg`) and the
+output class it is about to build (:func:`output_cache_field`), by capability, not by version.
+A model loaded with ``trust_remote_code`` may still use the old name on a new transformers;
+asking its own forward covers that too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable
+
+__all__ = ["CACHE_KWARGS", "cache_kwarg", "output_cache", "output_cache_field"]
+
+# The names a forward may give its cache argument, newest first.
+CACHE_KWARGS = ("cache", "past_key_values")
+
+
+def cache_kwarg(fn: Callable) -> str | None:
+    """The keyword ``fn`` takes its KV cache under: ``"cache"`` (transformers >= 5.24) or
+    ``"past_key_values"`` (earlier releases, remote code); None if it takes neither.
+
+    ``fn`` is a forward (``model.forward``, ``layer.forward``) or a module (its ``forward`` is
+    read). Decorated forwards (``@deprecate_kwarg``) are unwrapped by ``inspect.signature``.
+    """
+    if not inspect.isfunction(fn) and not inspect.ismethod(fn) and hasattr(fn, "forward"):
+        fn = fn.forward
+    return _cache_kwarg_of(getattr(fn, "__func__", fn))
+
+
+@functools.lru_cache(maxsize=1024)
+def _cache_kwarg_of(fn: Callable) -> str | None:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return None
+    return next((name for name in CACHE_KWARGS if name in params), None)
+
+
+def output_cache_field(output_class: type | None = None) -> str:
+    """The field an HF output class (default ``GenerateDecoderOnlyOutput``) holds the cache in:
+    ``"cache"`` on transformers >= 5.24, ``"past_key_values"`` before."""
+    if output_class is None:
+        from transformers.generation.utils import GenerateDecoderOnlyOutput as output_class
+    names = {f.name for f in dataclasses.fields(output_class)}
+    return next(name for name in CACHE_KWARGS if name in names)
+
+
+def output_cache(output):
+    """The cache an HF output object carries, under whichever name its class uses (reading the
+    deprecated ``past_key_values`` property of a new output would log a deprecation warning)."""
+    return getattr(output, output_cache_field(type(output)))

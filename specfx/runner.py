@@ -12,7 +12,7 @@ from .cache import SlotCache
 from .capture import CapturedForward, CaptureError, capture_forward, decoder_layer_names
 from .hf_names import cache_kwarg
 from .masks import TreeView, check_attn_implementation, mask_plan
-from .passes.driver import run_passes
+from .passes.driver import PassError, run_passes
 from .passes.hidden_taps import check_tap_names, hidden_taps
 from .probe import (
     compare,
@@ -68,6 +68,28 @@ def check_causal_lm(model, role: str) -> None:
         )
 
 
+def cache_layer_count(model, num_layers: int) -> int:
+    """How many cache layers the model writes: ``num_layers``, or more when its forward grows
+    HF's cache beyond the config's layers (looped models such as Dory keep one copy of each
+    recurrent layer's cache per loop, appended to ``cache.layers`` on the first forward). Read
+    off one two-token forward through a ``DynamicCache``, so that specfx allocates every layer
+    up front and the model never copies specfx's cache layers itself."""
+    from transformers.cache_utils import DynamicCache
+
+    name = cache_kwarg(model.forward)
+    try:
+        dynamic = DynamicCache(config=model.config.get_text_config(decoder=True))
+    except Exception:  # a config DynamicCache cannot read: the config's count is all we know
+        return num_layers
+    ids = torch.zeros((1, 2), dtype=torch.long, device=model.device)
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=True, **{name: dynamic})
+    except Exception:  # the probe reports a model that fails through a cache, with its reason
+        return num_layers
+    return max(num_layers, len(dynamic.layers))
+
+
 class ModelRunner:
     """Calls an HF causal LM through the stable hooks: a :class:`SlotCache` as its cache
     argument (``cache``, or ``past_key_values`` before transformers 5.24), a 4-D ``attention_mask`` and ``position_ids``.
@@ -89,6 +111,7 @@ class ModelRunner:
         self.model = model
         self.role = role
         self.num_layers = config.num_hidden_layers
+        self.cache_layers = cache_layer_count(model, self.num_layers)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.config_vocab_size = config.vocab_size
         self.max_positions = getattr(config, "max_position_embeddings", None)
@@ -198,7 +221,7 @@ class ModelRunner:
         self._tap_graphs = {k: g for k, g in self._tap_graphs.items() if k[2] == capacity}
 
     def _allocate_buffers(self, batch_size: int, capacity: int) -> None:
-        self.cache = SlotCache(self.num_layers, batch_size, capacity, self.device)
+        self.cache = SlotCache(self.cache_layers, batch_size, capacity, self.device)
         zeros = torch.zeros((batch_size, 1), dtype=torch.long, device=self.device)
         with torch.no_grad():
             self.forward(zeros, zeros, torch.full_like(zeros, self.cache.trash_slot))
@@ -371,6 +394,11 @@ class ModelRunner:
                 f"{self.role} ({type(self.model).__name__}): the hidden-state taps {tuple(taps)} need its forward "
                 f"captured as one graph, and {e} Drafters that read no hidden states (a draft model, "
                 f"prompt lookup) can serve it."
+            ) from e
+        except PassError as e:  # the layer boundaries are not where the taps pass looks (looped layers)
+            raise ValueError(
+                f"{self.role} ({type(self.model).__name__}): its hidden states {tuple(taps)} cannot be tapped: "
+                f"{e}. Drafters that read no hidden states (a draft model, prompt lookup) can serve it."
             ) from e
         self._tap_graphs[self.taps_key(batch_size, tokens, tree, taps)] = graph
         return graph

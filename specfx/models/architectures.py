@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["ARCHITECTURES", "ArchSpec", "COMPILED_SUBSET", "supported", "sweep"]
+__all__ = ["ARCHITECTURES", "ArchSpec", "COMPILED_SUBSET", "installed", "supported", "sweep"]
 
 
 @dataclass(frozen=True)
@@ -86,13 +86,22 @@ ARCHITECTURES: dict[str, ArchSpec] = {
             "minimax_m2 minimax_m3_vl_text ministral ministral3 modernbert-decoder nanochat nemotron olmo "
             "olmo2 olmo3 olmoe persimmon phi phimoe qwen3_moe seed_oss smollm3 solar_open starcoder2 "
             "vaultgemma xglm"
+            # new in transformers 5.24
+            " apertus1p5_text exaone sarvam_moe"
         ).split()
     },
+    "dory": _s(
+        "looped recurrent-depth layers: one cache copy per loop, appended by the model's own forward "
+        "(specfx allocates every cache layer the forward writes up front)",
+        num_hidden_layers=3,  # 1 input, 1 recurrent (run twice), 1 output layer
+        n_input_layers=1,
+        n_output_layers=1,
+    ),
     "mpt": _s("ALiBi"),
     # multi-head latent attention (MLA): KV heads = query heads, as in the real checkpoints
     **{
         name: _s("multi-head latent attention", num_key_value_heads=4, head_dim=8)
-        for name in ("deepseek_v2 deepseek_v3 minicpm3 glm4_moe_lite youtu").split()
+        for name in ("deepseek_v2 deepseek_v3 minicpm3 glm4_moe_lite youtu sarvam_mla").split()
     },
     # BERT-family LM heads are causal only with is_decoder=True (TINY_SIZES sets it); with
     # is_decoder=False they attend bidirectionally and speculate() refuses them.
@@ -109,13 +118,14 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         for name in (
             "bamba bailing_hybrid falcon_h1 falcon_mamba granitemoehybrid jamba kimi_linear lfm3 mamba mamba2 "
             "nemotron_h olmo_hybrid qwen3_5_text qwen3_5_moe_text qwen3_next qwen4_exp_text recurrent_gemma "
-            "rwkv xlstm zamba zamba2 deepseek_v4"
+            "rwkv xlstm zamba zamba2 deepseek_v4 lara_mini"
         ).split()
     },
     "minimax": _r("linear-attention layers (config.layer_types)"),
     "hy_v4": _r("sparse indexed-attention layers (config.layer_types)"),
     "inkling_text": _r("hybrid_sliding layers (config.layer_types)"),
     "inkling2_text": _r("hybrid_sliding layers (config.layer_types)"),
+    "inkling2_loop_text": _r("hybrid_sliding layers (config.layer_types)"),
     **{
         name: _r("derives positions from the cache length, not position_ids (caught by the incremental-decoding probe)")
         for name in ("mvp", "trocr", "roformer", "bart", "mbart", "marian", "pegasus", "bigbird_pegasus")
@@ -148,8 +158,17 @@ ARCHITECTURES: dict[str, ArchSpec] = {
 COMPILED_SUBSET = ("gemma2", "mixtral", "bloom")
 
 
+def installed(name: str) -> bool:
+    """Whether the installed transformers ships model type ``name`` (the table also lists types
+    of newer releases than the declared minimum)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return name in CONFIG_MAPPING_NAMES
+
+
 def supported() -> list[str]:
-    return [name for name, spec in ARCHITECTURES.items() if spec.status == "supported"]
+    """Supported model types that the installed transformers ships."""
+    return [name for name, spec in ARCHITECTURES.items() if spec.status == "supported" and installed(name)]
 
 
 def sweep(model_types=None, max_new_tokens: int = 40) -> list[tuple[str, str]]:

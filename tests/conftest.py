@@ -1,9 +1,55 @@
+"""Shared fixtures, and the two tiers of the suite.
+
+``python -m pytest -q tests`` (the README's test command) runs the default tier: every feature,
+on a representative set of architectures, in about ten minutes on a 2-core CPU. ``--full`` adds
+the tests marked ``full`` (every architecture of the conformance matrix, every parametrisation);
+CI runs it. Markers (``pyproject.toml``): ``full``, ``compiled`` (compiles with Inductor: enforced
+below), ``cuda``.
+"""
+
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from specfx.models.tiny import perturbed_copy, tiny_causal_lm
 
 ARCHS = ("llama", "qwen2", "gpt2")
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--full",
+        action="store_true",
+        help="also run the tests marked 'full' (the whole conformance matrix and every parametrisation; CI runs it)",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--full"):
+        return
+    full = [item for item in items if item.get_closest_marker("full")]
+    if full:  # deselected, not skipped: the tier is chosen, nothing is hidden behind a skip
+        config.hook.pytest_deselected(items=full)
+        items[:] = [item for item in items if not item.get_closest_marker("full")]
+
+
+def pytest_report_header(config):
+    tier = "full (--full)" if config.getoption("--full") else "default (tests marked 'full' deselected; --full runs them)"
+    return f"specfx test tier: {tier}"
+
+
+def _inductor_compiles() -> int:
+    return sum(counters["inductor"].values())
+
+
+@pytest.fixture(autouse=True)
+def _compiled_marker_is_honest(request):
+    """A test that compiles with Inductor must say so (``@pytest.mark.compiled``), so that the
+    marker selects exactly the slow compiling tests."""
+    before = _inductor_compiles()
+    yield
+    if _inductor_compiles() > before and request.node.get_closest_marker("compiled") is None:
+        pytest.fail(f"{request.node.nodeid} compiled with Inductor but is not marked @pytest.mark.compiled")
 
 
 @pytest.fixture(autouse=True)

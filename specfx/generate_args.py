@@ -74,8 +74,7 @@ _OFF = {
     "epsilon_cutoff": 0.0,
     "eta_cutoff": 0.0,
     "encoder_repetition_penalty": 1.0,
-    "output_attentions": False,
-    "output_hidden_states": False,
+    "token_healing": False,
     "stop_strings": None,
     "prompt_lookup_num_tokens": None,
     "assistant_early_exit": None,
@@ -102,12 +101,30 @@ class GenerateRequest:
     output_logits: bool = False  # HF's logits: raw logits per step
 
 
+# Warpers HF builds only when sampling (``_get_logits_processor``): greedy ignores them, so a
+# checkpoint's generation_config.json that sets them does not stop a greedy call.
+_SAMPLING_ONLY = ("min_p", "top_h", "typical_p", "epsilon_cutoff", "eta_cutoff")
+# Forward outputs HF collects only into a returned dict: computed and dropped otherwise.
+_FORWARD_OUTPUTS = {"output_attentions": "attention weights", "output_hidden_states": "hidden states"}
+
+
+def _is_off(name: str, value, off) -> bool:
+    """Whether ``value`` of GenerationConfig field ``name`` changes nothing HF generates."""
+    if value is None or (not isinstance(value, (list, tuple)) and value == off):
+        return True
+    if name in ("suppress_tokens", "begin_suppress_tokens"):
+        return len(value) == 0  # HF's processor over an empty list suppresses nothing
+    if name == "cache_implementation":
+        return value == "dynamic"  # HF's default cache, named: the tokens are the same
+    return name == "min_p" and value == 0
+
+
 def _check_off(gc) -> None:
     for name, off in _OFF.items():
-        value = getattr(gc, name, off)
-        if value in (None, off) or (name == "min_p" and value == 0):
+        if name in _SAMPLING_ONLY and not gc.do_sample:
             continue
-        if name == "num_beams" and value is None:
+        value = getattr(gc, name, off)
+        if _is_off(name, value, off):
             continue
         raise ValueError(
             f"generate(): {name}={value!r} is not supported by specfx speculative decoding "
@@ -193,6 +210,14 @@ def resolve_generate_args(model, vocab_size: int, max_positions: int | None, inp
         gc, leftover = model._prepare_generation_config(gc_given, **kwargs)
     except TypeError as e:  # pragma: no cover - depends on HF internals
         raise TypeError(f"generate(): {e}") from e
+    for name, what in _FORWARD_OUTPUTS.items():
+        leftover.pop(name, None)  # HF's resolution also hands them on as forward kwargs
+        if getattr(gc, name, False) and gc.return_dict_in_generate:
+            raise ValueError(
+                f"generate(): {name}=True is not supported: specfx does not return the target's per-step "
+                f"{what} (its compiled rounds compute only tokens and logits). Leave {name} unset, or use "
+                f"the wrapped model's own generate() for them."
+            )
     if leftover:
         raise TypeError(
             f"generate() got unexpected or unsupported argument(s) {sorted(leftover)}. specfx accepts "

@@ -392,6 +392,23 @@ GENERATE_CASES = {
         ValueError, r"num_return_sequences=2 is not supported"),
     "no_repeat_ngram_size": (lambda s, d: s.generate(_ids(), max_new_tokens=5, no_repeat_ngram_size=2),
                              ValueError, r"no_repeat_ngram_size=2 is not supported"),
+    # sampling-only warpers are ignored when greedy (as HF does) but refused when sampling
+    "min_p_sampling": (lambda s, d: s.generate(_ids(), max_new_tokens=5, do_sample=True, min_p=0.1),
+                       ValueError, r"min_p=0.1 is not supported"),
+    "typical_p_sampling": (lambda s, d: s.generate(_ids(), max_new_tokens=5, do_sample=True, typical_p=0.5),
+                           ValueError, r"typical_p=0.5 is not supported"),
+    "suppress_tokens_not_empty": (lambda s, d: s.generate(_ids(), max_new_tokens=5, suppress_tokens=[7]),
+                                  ValueError, r"suppress_tokens=\[7\] is not supported"),
+    "cache_implementation_static": (lambda s, d: s.generate(_ids(), max_new_tokens=5, cache_implementation="static"),
+                                    ValueError, r"cache_implementation='static' is not supported"),
+    "token_healing": (lambda s, d: s.generate(_ids(), max_new_tokens=5, token_healing=True),
+                      ValueError, r"token_healing=True is not supported"),
+    "output_hidden_states_returned": (
+        lambda s, d: s.generate(_ids(), max_new_tokens=5, output_hidden_states=True, return_dict_in_generate=True),
+        ValueError, r"output_hidden_states=True is not supported: specfx does not return"),
+    "output_attentions_returned": (
+        lambda s, d: s.generate(_ids(), max_new_tokens=5, output_attentions=True, return_dict_in_generate=True),
+        ValueError, r"output_attentions=True is not supported: specfx does not return"),
     "logits_processor": (
         lambda s, d: s.generate(_ids(), max_new_tokens=5,
                                 logits_processor=LogitsProcessorList([TemperatureLogitsWarper(0.5)])),

@@ -176,3 +176,44 @@ def test_target_on_the_meta_device_is_refused():
         target = AutoModelForCausalLM.from_config(tiny_config("llama")).eval()
     with pytest.raises(ValueError, match=r"meta device"):
         specfx.speculate(target, draft="prompt_lookup", compile=False)
+
+
+# --------------------------------------------------------------------------- issue 25 item 5: HF idioms
+SAMPLING_ONLY = [dict(min_p=0.1), dict(typical_p=0.5), dict(epsilon_cutoff=0.1), dict(eta_cutoff=0.1), dict(top_h=0.5)]
+
+
+@pytest.mark.parametrize("kw", SAMPLING_ONLY, ids=lambda kw: next(iter(kw)))
+def test_sampling_only_warpers_are_ignored_when_greedy(spec, target, ids, kw):
+    """HF builds these warpers only when sampling; greedy output is the same with or without them."""
+    out = _same_as_hf(spec, target, ids, max_new_tokens=10, **kw)
+    assert torch.equal(out, target.generate(ids, max_new_tokens=10))
+
+
+@pytest.mark.parametrize("kw", SAMPLING_ONLY, ids=lambda kw: next(iter(kw)))
+def test_sampling_only_warpers_from_the_models_generation_config(spec, target, ids, kw):
+    """A checkpoint's generation_config.json often carries them; greedy calls must still run."""
+    gc = target.generation_config
+    (name, value), = kw.items()
+    saved = getattr(gc, name)
+    setattr(gc, name, value)
+    try:
+        _same_as_hf(spec, target, ids, max_new_tokens=10)
+        _same_as_hf(spec, target, ids, max_new_tokens=10, do_sample=False)
+    finally:
+        setattr(gc, name, saved)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(suppress_tokens=[]), dict(begin_suppress_tokens=[]), dict(cache_implementation="dynamic")],
+    ids=["suppress_tokens_empty", "begin_suppress_tokens_empty", "cache_implementation_dynamic"],
+)
+def test_settings_that_change_nothing_are_accepted(spec, target, ids, kw):
+    out = _same_as_hf(spec, target, ids, max_new_tokens=10, **kw)
+    assert torch.equal(out, target.generate(ids, max_new_tokens=10))
+
+
+@pytest.mark.parametrize("name", ["output_hidden_states", "output_attentions"])
+def test_output_hidden_states_and_attentions_without_a_dict_change_nothing(spec, target, ids, name):
+    """HF computes them and drops them when return_dict_in_generate is off: the tensor is the same."""
+    _same_as_hf(spec, target, ids, max_new_tokens=8, **{name: True})

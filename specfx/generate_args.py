@@ -123,6 +123,8 @@ def _check_off(gc) -> None:
     for name, off in _OFF.items():
         if name in _SAMPLING_ONLY and not gc.do_sample:
             continue
+        if name == "num_return_sequences" and gc.do_sample:
+            continue  # a batch of repeated prompts (see resolve_generate_args); HF refuses it when greedy
         value = getattr(gc, name, off)
         if _is_off(name, value, off):
             continue
@@ -237,6 +239,10 @@ def resolve_generate_args(model, vocab_size: int, max_positions: int | None, inp
     if inferred:
         mask = infer_attention_mask(input_ids, pad, eos_all)
     prompt_lengths = _check_mask(input_ids, mask, vocab_size, pad if inferred else None)
+    if gc.do_sample and (gc.num_return_sequences or 1) > 1:
+        # HF's _expand_inputs_for_generation: each prompt num_return_sequences times in a row
+        input_ids = input_ids.repeat_interleave(gc.num_return_sequences, dim=0)
+        prompt_lengths = prompt_lengths.repeat_interleave(gc.num_return_sequences, dim=0)
 
     seq_len = input_ids.shape[1]
     max_new, min_new = _new_token_bounds(gc, seq_len, max_positions, has_default_max_length, has_default_min_length)

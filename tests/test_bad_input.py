@@ -387,9 +387,6 @@ GENERATE_CASES = {
                   ValueError, r"num_beams=2 is not supported"),
     "num_return_sequences_greedy": (lambda s, d: s.generate(_ids(), max_new_tokens=5, num_return_sequences=2),
                                     ValueError, r"num_return_sequences"),
-    "num_return_sequences_sampling": (
-        lambda s, d: s.generate(_ids(), max_new_tokens=5, do_sample=True, num_return_sequences=2),
-        ValueError, r"num_return_sequences=2 is not supported"),
     "no_repeat_ngram_size": (lambda s, d: s.generate(_ids(), max_new_tokens=5, no_repeat_ngram_size=2),
                              ValueError, r"no_repeat_ngram_size=2 is not supported"),
     # sampling-only warpers are ignored when greedy (as HF does) but refused when sampling

@@ -7,6 +7,8 @@ cases also check that the model is left untouched.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -217,3 +219,42 @@ def test_settings_that_change_nothing_are_accepted(spec, target, ids, kw):
 def test_output_hidden_states_and_attentions_without_a_dict_change_nothing(spec, target, ids, name):
     """HF computes them and drops them when return_dict_in_generate is off: the tensor is the same."""
     _same_as_hf(spec, target, ids, max_new_tokens=8, **{name: True})
+
+
+def test_num_return_sequences_is_a_batch_of_each_prompt_repeated(spec, target):
+    """HF repeats each prompt num_return_sequences times in a row (repeat_interleave); specfx runs
+    that batch: the same layout as HF, and, seeded alike, exactly the batch written out by hand."""
+    ids, mask = left_padded(7, [3, 0], seed=4)
+    kw = dict(do_sample=True, max_new_tokens=12, eos_token_id=None, pad_token_id=0)
+    hf = target.generate(ids, attention_mask=mask, num_return_sequences=3, **kw)
+    torch.manual_seed(11)
+    out = spec.generate(ids, attention_mask=mask, num_return_sequences=3, **kw)
+    assert out.shape == hf.shape == (6, 7 + 12)
+    assert torch.equal(out[:, :7], hf[:, :7]) and torch.equal(out[:, :7], ids.repeat_interleave(3, dim=0))
+    torch.manual_seed(11)
+    by_hand = spec.generate(ids.repeat_interleave(3, dim=0), attention_mask=mask.repeat_interleave(3, dim=0), **kw)
+    assert torch.equal(out, by_hand)
+    torch.manual_seed(11)
+    assert torch.equal(spec.generate(ids, attention_mask=mask, num_return_sequences=3, **kw), out)  # seeded
+    for group in out.view(2, 3, -1):  # samples of one prompt, each with its own random stream
+        assert len({tuple(row[7:].tolist()) for row in group}) > 1
+
+
+def test_num_return_sequences_samples_the_target_distribution(one_thread):
+    """2000 sequences of one prompt against the exact distribution of their first two tokens."""
+    from tests.test_lossless import V, _chisquare, _models
+
+    target, draft = _models()
+    prompt_ids = [1, 4, 2]
+    probs = {}
+    for seq in itertools.product(range(V), repeat=2):
+        with torch.no_grad():
+            logits = target(torch.tensor([prompt_ids + list(seq)])).logits[0, 2:4].float()
+        probs[seq] = float(logits[0].softmax(-1)[seq[0]] * logits[1].softmax(-1)[seq[1]])
+    spec = specfx.speculate(target, draft=draft, num_speculative_tokens=1, compile=False)
+    torch.manual_seed(7)
+    out = spec.generate(torch.tensor([prompt_ids]), do_sample=True, num_return_sequences=2000, max_new_tokens=2,
+                        pad_token_id=0)
+    assert out.shape == (2000, 5)
+    assert spec.stats.accepted > 0 and spec.stats.accepted < spec.stats.proposed  # accept and correct both ran
+    assert _chisquare(out[:, 3:].tolist(), probs) > 1e-3

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, StoppingCriteriaList
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from .arg_values import (
     as_length,
@@ -93,8 +94,9 @@ class GenerateRequest:
     max_new_tokens: int
     sampling: SamplingParams
     pad_token_id: int | None
+    pads_finished: bool  # HF extends finished rows with the pad (it has an EOS criterion)
     streamer: Any
-    stopping_criteria: Any
+    stopping_criteria: StoppingCriteriaList | None  # the user's, called once per step (step_replay)
     return_dict_in_generate: bool
     max_time: float | None
     output_scores: bool = False  # HF's scores: processed logits per step
@@ -252,28 +254,51 @@ def resolve_generate_args(model, vocab_size: int, max_positions: int | None, inp
         do_sample=do_sample, **_sampling_values(gc, do_sample), min_new_tokens=min_new, eos_token_ids=eos
     )
 
-    if call["stopping_criteria"] and input_ids.shape[0] > 1 and not eos:
+    criteria = _stopping_criteria(call["stopping_criteria"], seq_len + max_new, eos)
+    # HF's has_eos_stopping_criteria: finished rows are then extended with the pad token
+    pads_finished = bool(eos_all) or any(hasattr(c, "eos_token_id") for c in criteria or ())
+    if pads_finished and pad is None:
         raise ValueError(
-            "generate(): stopping_criteria with batch size > 1 need an eos_token_id: without one, "
-            "transformers keeps generating rows the criteria finished (it has no pad to freeze them), "
-            "which specfx does not reproduce. Pass eos_token_id=, or generate row by row."
+            "generate(): a stopping criterion has an eos_token_id, so transformers extends finished rows "
+            "with pad_token_id, and none is set (transformers fails here too). Pass pad_token_id=."
         )
-    streamer = call["streamer"]
-    if streamer is not None and input_ids.shape[0] != 1:
-        raise ValueError("generate(): a streamer needs batch size 1 (as in transformers).")
     return GenerateRequest(
         input_ids=input_ids,
         prompt_lengths=prompt_lengths,
         max_new_tokens=max_new,
         sampling=sampling,
         pad_token_id=pad,
-        streamer=streamer,
-        stopping_criteria=call["stopping_criteria"],
+        pads_finished=pads_finished,
+        streamer=call["streamer"],
+        stopping_criteria=criteria,
         return_dict_in_generate=bool(gc.return_dict_in_generate),
         max_time=gc.max_time,
         output_scores=bool(gc.output_scores),
         output_logits=bool(gc.output_logits),
     )
+
+
+def _stopping_criteria(given, max_length: int, eos: tuple[int, ...]) -> StoppingCriteriaList | None:
+    """The user's criteria as one list (HF merges them into its own). HF replaces its own
+    max-length or EOS criterion with a user's one of the same class; where that would make it
+    generate past ``max_length`` or through an EOS id, which specfx stops at, it is refused."""
+    if not given:
+        return None
+    items = list(given) if isinstance(given, (list, tuple)) else [given]
+    for c in items:
+        if type(c) is MaxLengthCriteria and c.max_length > max_length:
+            raise ValueError(
+                f"generate(): stopping_criteria holds MaxLengthCriteria(max_length={c.max_length}), which "
+                f"transformers uses instead of its own max_length={max_length}, generating past it; specfx "
+                f"sizes its buffers by max_length. Pass max_length={c.max_length} (or max_new_tokens) instead."
+            )
+        if type(c) is EosTokenCriteria and eos and not set(eos) <= set(torch.as_tensor(c.eos_token_id).flatten().tolist()):
+            raise ValueError(
+                f"generate(): stopping_criteria holds an EosTokenCriteria without every eos_token_id {list(eos)}; "
+                f"transformers uses it instead of its own, and would not stop on the others, which specfx stops "
+                f"on. Pass those ids as eos_token_id= instead."
+            )
+    return StoppingCriteriaList(items)
 
 
 def _new_token_bounds(gc, seq_len, max_positions, has_default_max_length, has_default_min_length) -> tuple[int, int]:

@@ -15,7 +15,12 @@ from typing import Any
 
 import torch
 from transformers import GenerationConfig, StoppingCriteriaList
-from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+from transformers.generation.stopping_criteria import (
+    EosTokenCriteria,
+    MaxLengthCriteria,
+    MaxTimeCriteria,
+    StopStringCriteria,
+)
 
 from .arg_values import (
     as_length,
@@ -33,14 +38,13 @@ __all__ = ["GenerateRequest", "infer_attention_mask", "resolve_generate_args"]
 logger = logging.getLogger(__name__)
 
 # Arguments of generate() that are not GenerationConfig fields and that specfx handles.
-_CALL_ARGS = ("attention_mask", "streamer", "stopping_criteria", "generation_config")
+_CALL_ARGS = ("attention_mask", "streamer", "stopping_criteria", "generation_config", "tokenizer")
 # generate() arguments that select features specfx does not offer; None / empty means unused.
 _UNSUPPORTED_CALL_ARGS = {
     "logits_processor": "custom logits processors cannot be fused into the compiled round",
     "prefix_allowed_tokens_fn": "constrained decoding is not supported",
     "assistant_model": "specfx is itself the speculative decoder: pass draft= to speculate()",
     "assistant_tokenizer": "universal assisted decoding is not supported",
-    "tokenizer": "stop_strings are not supported",
     "negative_prompt_ids": "classifier-free guidance is not supported",
     "negative_prompt_attention_mask": "classifier-free guidance is not supported",
     "inputs_embeds": "pass input_ids: the round drafts and verifies token ids",
@@ -76,7 +80,6 @@ _OFF = {
     "eta_cutoff": 0.0,
     "encoder_repetition_penalty": 1.0,
     "token_healing": False,
-    "stop_strings": None,
     "prompt_lookup_num_tokens": None,
     "assistant_early_exit": None,
     "dola_layers": None,
@@ -254,7 +257,7 @@ def resolve_generate_args(model, vocab_size: int, max_positions: int | None, inp
         do_sample=do_sample, **_sampling_values(gc, do_sample), min_new_tokens=min_new, eos_token_ids=eos
     )
 
-    criteria = _stopping_criteria(call["stopping_criteria"], seq_len + max_new, eos)
+    criteria = _stopping_criteria(call["stopping_criteria"], seq_len + max_new, eos, gc, call["tokenizer"])
     # HF's has_eos_stopping_criteria: finished rows are then extended with the pad token
     pads_finished = bool(eos_all) or any(hasattr(c, "eos_token_id") for c in criteria or ())
     if pads_finished and pad is None:
@@ -278,13 +281,15 @@ def resolve_generate_args(model, vocab_size: int, max_positions: int | None, inp
     )
 
 
-def _stopping_criteria(given, max_length: int, eos: tuple[int, ...]) -> StoppingCriteriaList | None:
-    """The user's criteria as one list (HF merges them into its own). HF replaces its own
-    max-length or EOS criterion with a user's one of the same class; where that would make it
-    generate past ``max_length`` or through an EOS id, which specfx stops at, it is refused."""
-    if not given:
-        return None
-    items = list(given) if isinstance(given, (list, tuple)) else [given]
+def _stopping_criteria(given, max_length: int, eos: tuple[int, ...], gc, tokenizer) -> StoppingCriteriaList | None:
+    """The criteria HF's generate() calls besides those specfx runs on the device (max length,
+    EOS): the user's, and HF's ``StopStringCriteria`` for ``stop_strings``, in the order HF's
+    merge calls them (its own first, where a user's one of the same class replaces it).
+
+    HF also replaces its max-length or EOS criterion with a user's one of the same class; where
+    that would make it generate past ``max_length`` or through an EOS id, which specfx stops
+    at, it is refused."""
+    items = [] if not given else list(given) if isinstance(given, (list, tuple)) else [given]
     for c in items:
         if type(c) is MaxLengthCriteria and c.max_length > max_length:
             raise ValueError(
@@ -298,7 +303,25 @@ def _stopping_criteria(given, max_length: int, eos: tuple[int, ...]) -> Stopping
                 f"transformers uses it instead of its own, and would not stop on the others, which specfx stops "
                 f"on. Pass those ids as eos_token_id= instead."
             )
-    return StoppingCriteriaList(items)
+    # HF's own criteria in its order: a class where specfx stops on the device instead
+    own: list = [MaxLengthCriteria] + ([MaxTimeCriteria] if gc.max_time is not None else [])
+    if gc.stop_strings is not None:
+        if tokenizer is None:  # HF's own error
+            raise ValueError(
+                "generate(): there are one or more stop strings, either in the arguments to `generate` or in the "
+                "model's generation config, but no tokenizer. When generating with stop strings, you must pass "
+                "the model's tokenizer to the `tokenizer` argument of `generate`."
+            )
+        own.append(StopStringCriteria(stop_strings=gc.stop_strings, tokenizer=tokenizer))
+    own += [EosTokenCriteria] if gc.eos_token_id is not None else []
+    ordered = []
+    for default in own:  # a user's criterion of the same class takes its place, as in HF's merge
+        kind = default if isinstance(default, type) else type(default)
+        user = next((c for c in items if type(c) is kind), None)
+        if user is not None or not isinstance(default, type):
+            ordered.append(default if user is None else user)
+    ordered += [c for c in items if c not in ordered]
+    return StoppingCriteriaList(ordered) if ordered else None
 
 
 def _new_token_bounds(gc, seq_len, max_positions, has_default_max_length, has_default_min_length) -> tuple[int, int]:

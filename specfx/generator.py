@@ -475,8 +475,9 @@ class SpeculativeGenerator:
         (or ``inputs``), attention_mask (left padding), max_new_tokens, max_length,
         min_new_tokens, min_length, do_sample, temperature, top_k, top_p, repetition_penalty,
         eos_token_id (int or list), pad_token_id, generation_config, streamer,
-        stopping_criteria, max_time, return_dict_in_generate (with output_scores,
-        output_logits), logits_to_keep. Returns what HF returns: a ``[B, S + new]`` LongTensor,
+        stopping_criteria, stop_strings with tokenizer, num_return_sequences (sampling),
+        max_time, return_dict_in_generate (with output_scores, output_logits), logits_to_keep;
+        the streamer and criteria see HF's calls, one step at a time (:mod:`specfx.step_replay`). Returns what HF returns: a ``[B, S + new]`` LongTensor,
         or a ``GenerateDecoderOnlyOutput`` with ``sequences``, the cache to continue from (a
         ``DynamicCache`` in the field HF's installed release uses: ``cache`` from transformers
         5.24 on, ``past_key_values`` before) and, when asked, ``scores``/``logits``.

@@ -258,3 +258,67 @@ def test_num_return_sequences_samples_the_target_distribution(one_thread):
     assert out.shape == (2000, 5)
     assert spec.stats.accepted > 0 and spec.stats.accepted < spec.stats.proposed  # accept and correct both ran
     assert _chisquare(out[:, 3:].tolist(), probs) > 1e-3
+
+
+# --------------------------------------------------------------------------- stop_strings with tokenizer=
+def _tokenizer():
+    """An offline tokenizer for the tiny models' 128 ids: special tokens 0-2, then one- and
+    two-letter strings (a WordLevel model from the tokenizers library; nothing downloaded)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = [chr(97 + i) for i in range(26)] + [a + b for a in "abcde" for b in "fghijklmnopqrstuvwxyz"]
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{p: 3 + i for i, p in enumerate(pieces[:125])}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # text encodes letter by letter
+    tok.decoder = decoders.Fuse()  # tokens decode to their letters, concatenated
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+def _spanning_stop_string(tokenizer, ids: list[int], i: int) -> str:
+    """The last letter of token i and the first of token i + 1: a stop string across two tokens."""
+    a, b = tokenizer.convert_ids_to_tokens([ids[i], ids[i + 1]])
+    return a[-1] + b[0]
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_stop_strings_with_tokenizer_stop_where_hf_stops(spec, target, batch):
+    tokenizer = _tokenizer()
+    ids = prompt(S, batch=batch, seed=0)
+    free = target.generate(ids, max_new_tokens=30, eos_token_id=None, pad_token_id=0)
+    stop = _spanning_stop_string(tokenizer, free[0, S:].tolist(), 8)
+    kw = dict(max_new_tokens=30, stop_strings=stop, tokenizer=tokenizer, pad_token_id=0)
+    out = _same_as_hf(spec, target, ids, **kw)
+    assert out.shape[1] < S + 30 and stop in tokenizer.decode(out[0, S:], skip_special_tokens=True)
+    _same_as_hf(spec, target, ids, **{**kw, "stop_strings": [stop, "zz"], "eos_token_id": None})
+
+
+def test_stop_strings_from_the_models_generation_config(spec, target, ids, free_run):
+    tokenizer = _tokenizer()
+    gc = target.generation_config
+    gc.stop_strings = _spanning_stop_string(tokenizer, free_run[0, S:].tolist(), 5)
+    try:
+        out = _same_as_hf(spec, target, ids, max_new_tokens=30, tokenizer=tokenizer)
+        assert out.shape[1] < S + 30
+        with pytest.raises(ValueError, match=r"stop strings.*pass the model's tokenizer to the `tokenizer` argument"):
+            spec.generate(ids, max_new_tokens=30)
+    finally:
+        gc.stop_strings = None
+
+
+def test_tokenizer_without_stop_strings_changes_nothing(spec, target, ids):
+    _same_as_hf(spec, target, ids, max_new_tokens=10, tokenizer=_tokenizer())
+
+
+def test_text_streamer_prints_what_hf_prints(spec, target, ids, free_run):
+    """transformers' TextIteratorStreamer decodes the puts as they come: the same text as HF's."""
+    from transformers import TextIteratorStreamer
+
+    tokenizer = _tokenizer()
+    stop = _spanning_stop_string(tokenizer, free_run[0, S:].tolist(), 9)
+    texts = []
+    for model in (target, spec):
+        streamer = TextIteratorStreamer(tokenizer, skip_prompt=True)
+        model.generate(ids, max_new_tokens=30, stop_strings=stop, tokenizer=tokenizer, streamer=streamer)
+        texts.append("".join(streamer))
+    assert texts[0] == texts[1] and stop in texts[0]

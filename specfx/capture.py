@@ -213,10 +213,13 @@ def capture_forward(
             # backend table holds one entry (the recorder) instead of a wrapper per capture.
             torch._dynamo.optimize(_RECORDER, nopython=True, dynamic=False)(forward)(*given.values())
     except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        lines = [line.strip() for line in str(e).strip().splitlines()]
+        # Dynamo names the model's own line that stopped it ("Caused by: for expert_idx in ...")
+        where = next((f"; {line}" for line in lines if line.startswith("Caused by:")), "")
         raise CaptureError(
             f"capturing {type(runner.model).__name__}'s forward as one graph failed "
-            f"({type(e).__name__}: {first}); this needs a forward Dynamo traces without graph breaks."
+            f"({type(e).__name__}: {lines[0] if lines else ''}{where}); this needs a forward Dynamo traces "
+            f"without graph breaks."
         ) from e
     finally:
         captured = _RECORDER.take()

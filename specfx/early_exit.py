@@ -166,7 +166,7 @@ class EarlyExit(Drafter):
                 self._capture(1, PROBE_MIN_CAPACITY, None)
         except EarlyExitError as e:
             raise ValueError(
-                f"draft='early_exit:{self.layer}': {e}. The early-exit drafter is the target's forward "
+                f"draft='early_exit:{self.layer}': {str(e).rstrip('.')}. The early-exit drafter is the target's forward "
                 f"captured as one graph and cut after layer {self.layer}; use a drafter that needs no "
                 f"capture of the target (a draft model, 'prompt_lookup')."
             ) from e

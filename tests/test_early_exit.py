@@ -145,7 +145,7 @@ def test_forward_dynamo_cannot_capture_is_refused_at_speculate(one_thread):
     """DBRX's experts run in a loop over the experts tokens were routed to (data-dependent):
     its forward cannot be captured as one graph. speculate() says so, not the first generate()."""
     target = _dbrx()
-    with pytest.raises(ValueError, match=r"early_exit:1.*DbrxForCausalLM's forward as one graph failed.*data-dependent"):
+    with pytest.raises(ValueError, match=r"early_exit:1.*DbrxForCausalLM.s forward as one graph failed.*data-dependent.*modeling_dbrx"):
         specfx.speculate(target, draft="early_exit:1", compile=False)
     spec = specfx.speculate(target, draft="prompt_lookup", num_speculative_tokens=3, compile=False)
     ids = prompt(6, seed=1)

@@ -15,12 +15,6 @@ from typing import Any
 
 import torch
 from transformers import GenerationConfig, StoppingCriteriaList
-from transformers.generation.stopping_criteria import (
-    EosTokenCriteria,
-    MaxLengthCriteria,
-    MaxTimeCriteria,
-    StopStringCriteria,
-)
 
 from .arg_values import (
     as_length,
@@ -32,6 +26,7 @@ from .arg_values import (
     check_logits_to_keep,
 )
 from .sampling import SamplingParams
+from .step_replay import stopping_criteria
 
 __all__ = ["GenerateRequest", "infer_attention_mask", "resolve_generate_args"]
 
@@ -257,7 +252,7 @@ def resolve_generate_args(model, vocab_size: int, max_positions: int | None, inp
         do_sample=do_sample, **_sampling_values(gc, do_sample), min_new_tokens=min_new, eos_token_ids=eos
     )
 
-    criteria = _stopping_criteria(call["stopping_criteria"], seq_len + max_new, eos, gc, call["tokenizer"])
+    criteria = stopping_criteria(call["stopping_criteria"], seq_len + max_new, eos, gc, call["tokenizer"])
     # HF's has_eos_stopping_criteria: finished rows are then extended with the pad token
     pads_finished = bool(eos_all) or any(hasattr(c, "eos_token_id") for c in criteria or ())
     if pads_finished and pad is None:
@@ -279,49 +274,6 @@ def resolve_generate_args(model, vocab_size: int, max_positions: int | None, inp
         output_scores=bool(gc.output_scores),
         output_logits=bool(gc.output_logits),
     )
-
-
-def _stopping_criteria(given, max_length: int, eos: tuple[int, ...], gc, tokenizer) -> StoppingCriteriaList | None:
-    """The criteria HF's generate() calls besides those specfx runs on the device (max length,
-    EOS): the user's, and HF's ``StopStringCriteria`` for ``stop_strings``, in the order HF's
-    merge calls them (its own first, where a user's one of the same class replaces it).
-
-    HF also replaces its max-length or EOS criterion with a user's one of the same class; where
-    that would make it generate past ``max_length`` or through an EOS id, which specfx stops
-    at, it is refused."""
-    items = [] if not given else list(given) if isinstance(given, (list, tuple)) else [given]
-    for c in items:
-        if type(c) is MaxLengthCriteria and c.max_length > max_length:
-            raise ValueError(
-                f"generate(): stopping_criteria holds MaxLengthCriteria(max_length={c.max_length}), which "
-                f"transformers uses instead of its own max_length={max_length}, generating past it; specfx "
-                f"sizes its buffers by max_length. Pass max_length={c.max_length} (or max_new_tokens) instead."
-            )
-        if type(c) is EosTokenCriteria and eos and not set(eos) <= set(torch.as_tensor(c.eos_token_id).flatten().tolist()):
-            raise ValueError(
-                f"generate(): stopping_criteria holds an EosTokenCriteria without every eos_token_id {list(eos)}; "
-                f"transformers uses it instead of its own, and would not stop on the others, which specfx stops "
-                f"on. Pass those ids as eos_token_id= instead."
-            )
-    # HF's own criteria in its order: a class where specfx stops on the device instead
-    own: list = [MaxLengthCriteria] + ([MaxTimeCriteria] if gc.max_time is not None else [])
-    if gc.stop_strings is not None:
-        if tokenizer is None:  # HF's own error
-            raise ValueError(
-                "generate(): there are one or more stop strings, either in the arguments to `generate` or in the "
-                "model's generation config, but no tokenizer. When generating with stop strings, you must pass "
-                "the model's tokenizer to the `tokenizer` argument of `generate`."
-            )
-        own.append(StopStringCriteria(stop_strings=gc.stop_strings, tokenizer=tokenizer))
-    own += [EosTokenCriteria] if gc.eos_token_id is not None else []
-    ordered = []
-    for default in own:  # a user's criterion of the same class takes its place, as in HF's merge
-        kind = default if isinstance(default, type) else type(default)
-        user = next((c for c in items if type(c) is kind), None)
-        if user is not None or not isinstance(default, type):
-            ordered.append(default if user is None else user)
-    ordered += [c for c in items if c not in ordered]
-    return StoppingCriteriaList(ordered) if ordered else None
 
 
 def _new_token_bounds(gc, seq_len, max_positions, has_default_max_length, has_default_min_length) -> tuple[int, int]:

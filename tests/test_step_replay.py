@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def _speculate(**options):
     target, draft = pair("llama", "perturbed")
-    return specfx.speculate(target, draft=draft, num_speculative_tokens=K, compile=False, **options)
+    return specfx.speculate(target, draft=draft, num_speculative_tokens=K, **{"compile": False, **options})
 
 
 @pytest.fixture(scope="module")
@@ -119,9 +119,8 @@ CASES = ["never_stops", "token_with_eos", "token_without_eos", "eos_ends_a_row",
          "two_criteria", "first_token", "rows_stop_apart_with_eos", "rows_stop_apart_without_eos"]
 
 
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("batch", [1, 3])
-def test_criteria_and_streamer_calls_are_hfs(spec, target, batch, case):
+def _same_as_hf(spec, target, case: str, batch: int) -> Log:
+    """Generate with HF and with specfx under ``case``: the same output and the same calls."""
     ids = prompt(S, batch=batch, seed=5)
     make, kw = _cases(_free_run(target, ids, 25))[case]
     kw = dict(max_new_tokens=20, pad_token_id=0, **kw)
@@ -129,6 +128,13 @@ def test_criteria_and_streamer_calls_are_hfs(spec, target, batch, case):
     got, log = _run(spec, ids, make, stream=True, **kw)
     assert torch.equal(got, expected)
     _same_calls(hf_log, log)
+    return hf_log
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_criteria_and_streamer_calls_are_hfs(spec, target, batch, case):
+    hf_log = _same_as_hf(spec, target, case, batch)
     assert sum(k == "criteria" for k, _, _ in hf_log) >= 1
     if batch == 3 and case == "never_stops":  # rows really advanced differently per round
         assert len(set(spec.stats.per_row_accepted)) > 1
@@ -136,14 +142,15 @@ def test_criteria_and_streamer_calls_are_hfs(spec, target, batch, case):
 
 @pytest.mark.parametrize("rounds_per_sync", [1, 3])
 def test_criteria_calls_with_rounds_per_sync(target, rounds_per_sync):
-    spec = _speculate(rounds_per_sync=rounds_per_sync)
-    ids = prompt(S, batch=3, seed=5)
-    make, kw = _cases(_free_run(target, ids, 25))["token_with_eos"]
-    kw = dict(max_new_tokens=20, pad_token_id=0, **kw)
-    expected, hf_log = _run(target, ids, make, stream=True, **kw)
-    got, log = _run(spec, ids, make, stream=True, **kw)
-    assert torch.equal(got, expected)
-    _same_calls(hf_log, log)
+    _same_as_hf(_speculate(rounds_per_sync=rounds_per_sync), target, "token_with_eos", 3)
+
+
+def test_criteria_calls_with_a_captured_round(target):
+    """The replay reads what the round graph returns: the same calls when the round is one
+    Dynamo graph (specfx's passes, no Inductor) as when it runs eagerly."""
+    spec = _speculate(compile=True, backend="specfx_eager")
+    _same_as_hf(spec, target, "rows_stop_apart_without_eos", 3)
+    assert len(spec.compile_events) == 1  # the round graph
 
 
 @pytest.mark.parametrize("batch", [1, 2])

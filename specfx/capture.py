@@ -34,22 +34,43 @@ from .masks import TreeView
 if TYPE_CHECKING:
     from .runner import ModelRunner
 
-__all__ = ["CaptureError", "CapturedForward", "capture_forward", "decoder_layer_names"]
+__all__ = ["CaptureError", "CapturedForward", "capture_forward", "decoder_blocks", "decoder_layer_names"]
+
+
+def decoder_blocks(model: nn.Module) -> list[str]:
+    """Qualified names of ``model``'s decoder blocks, in order (``model.layers.0``, ... or
+    ``transformer.h.0``, ...): the children of the outermost ``ModuleList`` of blocks of one
+    class holding ``config.num_hidden_layers`` of them, or else the only one whose length
+    divides it: a config whose ``num_hidden_layers`` counts sublayers (LongCat-Flash: two
+    attention sublayers per block, ``num_hidden_layers = 2 * num_layers``)."""
+    n = model.config.get_text_config().num_hidden_layers
+    lists = {name: len(m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0
+             and len({type(x) for x in m}) == 1}
+    outermost = {name: size for name, size in lists.items() if not any(name.startswith(o + ".") for o in lists)}
+    exact = [name for name, size in outermost.items() if size == n]
+    dividing = [name for name, size in outermost.items() if n > 0 and n % size == 0]
+    found = exact[:1] or (dividing if len(dividing) == 1 else [])
+    if not found:
+        raise ValueError(
+            f"{type(model).__name__}: no ModuleList of config.num_hidden_layers = {n} decoder layers of one "
+            f"class (nor a single one whose length divides it) was found, so the decoder layer boundaries "
+            f"(for an early exit or hidden taps) are unknown."
+        )
+    return [f"{found[0]}.{i}" for i in range(outermost[found[0]])]
 
 
 def decoder_layer_names(model: nn.Module) -> list[str]:
-    """Qualified names of ``model``'s decoder layers, in order (``model.layers.0``, ... or
-    ``transformer.h.0``, ...): the children of the ``ModuleList`` holding
-    ``config.num_hidden_layers`` blocks of one class."""
+    """:func:`decoder_blocks`, one per ``config.num_hidden_layers`` layer: hidden taps are
+    numbered by it (HF's ``hidden_states[i]`` is the input of layer i)."""
+    blocks = decoder_blocks(model)
     n = model.config.get_text_config().num_hidden_layers
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) == n and n > 0:
-            if len({type(m) for m in module}) == 1:
-                return [f"{name}.{i}" for i in range(n)]
-    raise ValueError(
-        f"{type(model).__name__}: no ModuleList of config.num_hidden_layers = {n} decoder layers of "
-        f"one class was found, so the decoder layer boundaries (for an early exit or hidden taps) are unknown."
-    )
+    if len(blocks) != n:
+        raise ValueError(
+            f"{type(model).__name__}: config.num_hidden_layers = {n} counts {n // len(blocks)} layers per decoder "
+            f"block ({len(blocks)} blocks, {blocks[0].rsplit('.', 1)[0]}), so a hidden state between two of those "
+            f"layers lies inside a block, where no tap can read it."
+        )
+    return blocks
 
 
 class CaptureError(RuntimeError):
@@ -192,10 +213,13 @@ def capture_forward(
             # backend table holds one entry (the recorder) instead of a wrapper per capture.
             torch._dynamo.optimize(_RECORDER, nopython=True, dynamic=False)(forward)(*given.values())
     except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        lines = [line.strip() for line in str(e).strip().splitlines()]
+        # Dynamo names the model's own line that stopped it ("Caused by: for expert_idx in ...")
+        where = next((f"; {line}" for line in lines if line.startswith("Caused by:")), "")
         raise CaptureError(
             f"capturing {type(runner.model).__name__}'s forward as one graph failed "
-            f"({type(e).__name__}: {first}); this needs a forward Dynamo traces without graph breaks."
+            f"({type(e).__name__}: {lines[0] if lines else ''}{where}); this needs a forward Dynamo traces "
+            f"without graph breaks."
         ) from e
     finally:
         captured = _RECORDER.take()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -33,20 +34,26 @@ PLAIN_ON, PLAIN_OFF = "«", "»"
 
 class MarkingStreamer:
     """An HF-style streamer (``put``/``end``) that records which emitted tokens were drafted
-    and accepted. specfx streams a round's emitted tokens together: all but the last are
-    accepted proposals, the last is the target's correction or bonus token. The first put is
-    the prompt, the second the token prefill sampled from the target."""
+    and accepted. specfx puts one token per step, as HF does, and tells this streamer each
+    round's emitted count first (``put_round``, batch 1): of a round's n tokens the first n - 1
+    are accepted proposals, the last the target's correction or bonus token (prefill's token
+    is a round of one). The first put is the prompt."""
 
     def __init__(self):
         self.tokens: list[tuple[int, bool]] = []  # (token id, drafted and accepted)
         self._puts = 0
+        self._marks: deque[bool] = deque()  # the current round's, one per token still to come
+
+    def put_round(self, n_emitted: list[int]) -> None:
+        n = n_emitted[0]
+        self._marks = deque([True] * (n - 1) + [False])
 
     def put(self, value: torch.Tensor) -> None:
         self._puts += 1
         if self._puts == 1:
             return  # the prompt
-        ids = value.reshape(-1).tolist()
-        self.tokens += [(t, i < len(ids) - 1) for i, t in enumerate(ids)]
+        for t in value.reshape(-1).tolist():
+            self.tokens.append((t, self._marks.popleft() if self._marks else False))
 
     def end(self) -> None:
         pass

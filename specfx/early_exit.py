@@ -38,10 +38,11 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from .capture import CapturedForward, CaptureError, capture_forward, decoder_layer_names
+from .capture import CapturedForward, CaptureError, capture_forward, decoder_blocks, decoder_layer_names
 from .drafters import Drafter, draft_chain
 from .masks import TreeView
 from .passes.early_exit import EarlyExitError, early_exit
+from .probe import PROBE_MIN_CAPACITY
 from .runner import ModelRunner
 from .tree import TokenTree
 from .tree_round import draft_levels, draft_tree, level_inputs, tree_view
@@ -90,7 +91,7 @@ def capture_early_exit(
     if tree is not None:
         tensors = tree.tensors(runner.device)
         view = TreeView(None, tensors.depth, tensors.ancestors, tuple(queries))  # lengths: the capture's own
-    layer_names = decoder_layer_names(runner.model)
+    layer_names = decoder_blocks(runner.model)
 
     def cut(gm: fx.GraphModule) -> int:
         return early_exit(gm, layer_names=layer_names, exit_layer=exit_layer)
@@ -101,7 +102,9 @@ def capture_early_exit(
         raise EarlyExitError(f"early exit: {e}") from e
 
 
-def _check_layer(layer, num_layers: int | None = None) -> int:
+def _check_layer(layer, num_layers: int | None = None, blocks: str = "layers") -> int:
+    """``layer`` as N, checked against ``num_layers`` decoder blocks when known (``blocks`` says
+    what those are when they are not ``config.num_hidden_layers`` layers)."""
     upper = "num_hidden_layers - 1" if num_layers is None else str(num_layers - 1)
     if isinstance(layer, bool) or not isinstance(layer, int):
         raise TypeError(
@@ -109,7 +112,7 @@ def _check_layer(layer, num_layers: int | None = None) -> int:
             f"drafter keeps (1 <= N <= {upper}), got {layer!r}."
         )
     if layer < 1 or (num_layers is not None and layer >= num_layers):
-        what = "" if num_layers is None else f" (the target has {num_layers} layers)"
+        what = "" if num_layers is None else f" (the target has {num_layers} {blocks})"
         raise ValueError(
             f"early exit layer must be in [1, {upper}]{what}, got {layer}: the drafter keeps the "
             f"target's first N layers, so N = 0 keeps nothing and N >= num_hidden_layers is the "
@@ -145,9 +148,28 @@ class EarlyExit(Drafter):
         return f"EarlyExit(layer={self.layer})"
 
     def bind(self, target: ModelRunner) -> None:
-        _check_layer(self.layer, target.num_layers)
-        decoder_layer_names(target.model)  # fail at speculate() time if the layers cannot be found
+        blocks = len(decoder_blocks(target.model))  # fail at speculate() time if the layers cannot be found
+        n = target.num_layers
+        what = "layers" if blocks == n else f"decoder blocks; config.num_hidden_layers = {n} counts {n // blocks} per block"
+        _check_layer(self.layer, blocks, what)
         self.target = target
+        self._capture_now()
+
+    def _capture_now(self) -> None:
+        """Capture and cut the target's forward now, for the first shape a generator allocates
+        (one row, ``SpecConfig.min_capacity``'s default), and keep it for that shape: a forward
+        Dynamo cannot capture as one graph (DBRX loops over the experts its tokens were routed
+        to: data-dependent) or a graph the cut cannot split is refused by ``speculate()``, not
+        by the first ``generate()``."""
+        try:
+            with self.target.scratch_cache(1, PROBE_MIN_CAPACITY):
+                self._capture(1, PROBE_MIN_CAPACITY, None)
+        except EarlyExitError as e:
+            raise ValueError(
+                f"draft='early_exit:{self.layer}': {str(e).rstrip('.')}. The early-exit drafter is the target's forward "
+                f"captured as one graph and cut after layer {self.layer}; use a drafter that needs no "
+                f"capture of the target (a draft model, 'prompt_lookup')."
+            ) from e
 
     def prepare_tree(self, tree: TokenTree | None) -> None:
         self.token_tree = tree

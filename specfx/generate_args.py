@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, StoppingCriteriaList
 
 from .arg_values import (
     as_length,
@@ -26,20 +26,20 @@ from .arg_values import (
     check_logits_to_keep,
 )
 from .sampling import SamplingParams
+from .step_replay import stopping_criteria
 
 __all__ = ["GenerateRequest", "infer_attention_mask", "resolve_generate_args"]
 
 logger = logging.getLogger(__name__)
 
 # Arguments of generate() that are not GenerationConfig fields and that specfx handles.
-_CALL_ARGS = ("attention_mask", "streamer", "stopping_criteria", "generation_config")
+_CALL_ARGS = ("attention_mask", "streamer", "stopping_criteria", "generation_config", "tokenizer")
 # generate() arguments that select features specfx does not offer; None / empty means unused.
 _UNSUPPORTED_CALL_ARGS = {
     "logits_processor": "custom logits processors cannot be fused into the compiled round",
     "prefix_allowed_tokens_fn": "constrained decoding is not supported",
     "assistant_model": "specfx is itself the speculative decoder: pass draft= to speculate()",
     "assistant_tokenizer": "universal assisted decoding is not supported",
-    "tokenizer": "stop_strings are not supported",
     "negative_prompt_ids": "classifier-free guidance is not supported",
     "negative_prompt_attention_mask": "classifier-free guidance is not supported",
     "inputs_embeds": "pass input_ids: the round drafts and verifies token ids",
@@ -74,9 +74,7 @@ _OFF = {
     "epsilon_cutoff": 0.0,
     "eta_cutoff": 0.0,
     "encoder_repetition_penalty": 1.0,
-    "output_attentions": False,
-    "output_hidden_states": False,
-    "stop_strings": None,
+    "token_healing": False,
     "prompt_lookup_num_tokens": None,
     "assistant_early_exit": None,
     "dola_layers": None,
@@ -94,20 +92,41 @@ class GenerateRequest:
     max_new_tokens: int
     sampling: SamplingParams
     pad_token_id: int | None
+    pads_finished: bool  # HF extends finished rows with the pad (it has an EOS criterion)
     streamer: Any
-    stopping_criteria: Any
+    stopping_criteria: StoppingCriteriaList | None  # the user's, called once per step (step_replay)
     return_dict_in_generate: bool
     max_time: float | None
     output_scores: bool = False  # HF's scores: processed logits per step
     output_logits: bool = False  # HF's logits: raw logits per step
 
 
+# Warpers HF builds only when sampling (``_get_logits_processor``): greedy ignores them, so a
+# checkpoint's generation_config.json that sets them does not stop a greedy call.
+_SAMPLING_ONLY = ("min_p", "top_h", "typical_p", "epsilon_cutoff", "eta_cutoff")
+# Forward outputs HF collects only into a returned dict: computed and dropped otherwise.
+_FORWARD_OUTPUTS = {"output_attentions": "attention weights", "output_hidden_states": "hidden states"}
+
+
+def _is_off(name: str, value, off) -> bool:
+    """Whether ``value`` of GenerationConfig field ``name`` changes nothing HF generates."""
+    if value is None or (not isinstance(value, (list, tuple)) and value == off):
+        return True
+    if name in ("suppress_tokens", "begin_suppress_tokens"):
+        return len(value) == 0  # HF's processor over an empty list suppresses nothing
+    if name == "cache_implementation":
+        return value == "dynamic"  # HF's default cache, named: the tokens are the same
+    return name == "min_p" and value == 0
+
+
 def _check_off(gc) -> None:
     for name, off in _OFF.items():
-        value = getattr(gc, name, off)
-        if value in (None, off) or (name == "min_p" and value == 0):
+        if name in _SAMPLING_ONLY and not gc.do_sample:
             continue
-        if name == "num_beams" and value is None:
+        if name == "num_return_sequences" and gc.do_sample:
+            continue  # a batch of repeated prompts (see resolve_generate_args); HF refuses it when greedy
+        value = getattr(gc, name, off)
+        if _is_off(name, value, off):
             continue
         raise ValueError(
             f"generate(): {name}={value!r} is not supported by specfx speculative decoding "
@@ -193,6 +212,14 @@ def resolve_generate_args(model, vocab_size: int, max_positions: int | None, inp
         gc, leftover = model._prepare_generation_config(gc_given, **kwargs)
     except TypeError as e:  # pragma: no cover - depends on HF internals
         raise TypeError(f"generate(): {e}") from e
+    for name, what in _FORWARD_OUTPUTS.items():
+        leftover.pop(name, None)  # HF's resolution also hands them on as forward kwargs
+        if getattr(gc, name, False) and gc.return_dict_in_generate:
+            raise ValueError(
+                f"generate(): {name}=True is not supported: specfx does not return the target's per-step "
+                f"{what} (its compiled rounds compute only tokens and logits). Leave {name} unset, or use "
+                f"the wrapped model's own generate() for them."
+            )
     if leftover:
         raise TypeError(
             f"generate() got unexpected or unsupported argument(s) {sorted(leftover)}. specfx accepts "
@@ -212,6 +239,10 @@ def resolve_generate_args(model, vocab_size: int, max_positions: int | None, inp
     if inferred:
         mask = infer_attention_mask(input_ids, pad, eos_all)
     prompt_lengths = _check_mask(input_ids, mask, vocab_size, pad if inferred else None)
+    if gc.do_sample and (gc.num_return_sequences or 1) > 1:
+        # HF's _expand_inputs_for_generation: each prompt num_return_sequences times in a row
+        input_ids = input_ids.repeat_interleave(gc.num_return_sequences, dim=0)
+        prompt_lengths = prompt_lengths.repeat_interleave(gc.num_return_sequences, dim=0)
 
     seq_len = input_ids.shape[1]
     max_new, min_new = _new_token_bounds(gc, seq_len, max_positions, has_default_max_length, has_default_min_length)
@@ -221,23 +252,23 @@ def resolve_generate_args(model, vocab_size: int, max_positions: int | None, inp
         do_sample=do_sample, **_sampling_values(gc, do_sample), min_new_tokens=min_new, eos_token_ids=eos
     )
 
-    if call["stopping_criteria"] and input_ids.shape[0] > 1 and not eos:
+    criteria = stopping_criteria(call["stopping_criteria"], seq_len + max_new, eos, gc, call["tokenizer"])
+    # HF's has_eos_stopping_criteria: finished rows are then extended with the pad token
+    pads_finished = bool(eos_all) or any(hasattr(c, "eos_token_id") for c in criteria or ())
+    if pads_finished and pad is None:
         raise ValueError(
-            "generate(): stopping_criteria with batch size > 1 need an eos_token_id: without one, "
-            "transformers keeps generating rows the criteria finished (it has no pad to freeze them), "
-            "which specfx does not reproduce. Pass eos_token_id=, or generate row by row."
+            "generate(): a stopping criterion has an eos_token_id, so transformers extends finished rows "
+            "with pad_token_id, and none is set (transformers fails here too). Pass pad_token_id=."
         )
-    streamer = call["streamer"]
-    if streamer is not None and input_ids.shape[0] != 1:
-        raise ValueError("generate(): a streamer needs batch size 1 (as in transformers).")
     return GenerateRequest(
         input_ids=input_ids,
         prompt_lengths=prompt_lengths,
         max_new_tokens=max_new,
         sampling=sampling,
         pad_token_id=pad,
-        streamer=streamer,
-        stopping_criteria=call["stopping_criteria"],
+        pads_finished=pads_finished,
+        streamer=call["streamer"],
+        stopping_criteria=criteria,
         return_dict_in_generate=bool(gc.return_dict_in_generate),
         max_time=gc.max_time,
         output_scores=bool(gc.output_scores),

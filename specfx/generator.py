@@ -26,6 +26,7 @@ from .round import RoundState, prefill_step, round_step
 from .runner import ModelRunner
 from .sampling import Mode
 from .stats import SpecStats
+from .step_replay import StepReplay
 from .tree import DynamicTree, TokenTree
 from .tree_round import tree_round_step
 
@@ -474,8 +475,9 @@ class SpeculativeGenerator:
         (or ``inputs``), attention_mask (left padding), max_new_tokens, max_length,
         min_new_tokens, min_length, do_sample, temperature, top_k, top_p, repetition_penalty,
         eos_token_id (int or list), pad_token_id, generation_config, streamer,
-        stopping_criteria, max_time, return_dict_in_generate (with output_scores,
-        output_logits), logits_to_keep. Returns what HF returns: a ``[B, S + new]`` LongTensor,
+        stopping_criteria, stop_strings with tokenizer, num_return_sequences (sampling),
+        max_time, return_dict_in_generate (with output_scores, output_logits), logits_to_keep;
+        the streamer and criteria see HF's calls, one step at a time (:mod:`specfx.step_replay`). Returns what HF returns: a ``[B, S + new]`` LongTensor,
         or a ``GenerateDecoderOnlyOutput`` with ``sequences``, the cache to continue from (a
         ``DynamicCache`` in the field HF's installed release uses: ``cache`` from transformers
         5.24 on, ``past_key_values`` before) and, when asked, ``scores``/``logits``.
@@ -509,28 +511,23 @@ class SpeculativeGenerator:
         self._last_mode = sample
         if self.auto_k is not None:
             self.auto_k.reset(self._auto_k_times(sample, collect))
+        replay = self._replay(req, collect)
+        if replay is not None:
+            replay.start()  # the prompt first, as HF puts it
         start = time.monotonic()
         first = self._variant("prefill", bucket, sample, collect)(ids, sample, collect)
         if collect:
             first, scores, logits = first
             steps.append((scores[:batch].clone(), logits[:batch].clone(), torch.ones(batch, dtype=torch.long)))
         first = first[:batch]
-        streamer, criteria = req.streamer, req.stopping_criteria
-        host_tokens = [[] for _ in range(batch)] if criteria else None
-        stop_at = [None] * batch
-        if streamer is not None:
-            streamer.put(req.input_ids.cpu())
-            streamer.put(first.cpu())
-        if host_tokens is not None:
-            for b, t in enumerate(first.tolist()):
-                host_tokens[b].append(t)
-            self._apply_criteria(req, host_tokens, stop_at, 0)
+        if replay is not None:
+            self._freeze(replay.feed(first.cpu()[:, None], [1] * batch, steps and steps[-1][0]))
 
         rounds_left = req.max_new_tokens  # every round emits >= 1 token per active row
         auto, k = self.auto_k, self._round_shape()
-        overlap = self._overlap_reads(streamer, host_tokens, collect)
+        overlap = self._overlap_reads(replay, collect)
         pending = None  # overlapped reads: the previous batch of rounds' flags, on their way to the host
-        while rounds_left > 0 and (overlap or not self._sync_finished()):
+        while rounds_left > 0 and not (replay is not None and replay.done) and (overlap or not self._sync_finished()):
             if auto is not None:
                 k = auto.k
                 auto.history.append(k)
@@ -541,18 +538,10 @@ class SpeculativeGenerator:
                 rounds_left -= 1
                 if collect:
                     steps.append((result[2][:batch].clone(), result[3][:batch].clone(), n.clone()))
-                if streamer is not None or host_tokens is not None:
-                    out_h, n_h = out.cpu(), n.tolist()
-                    new = [out_h[b, : n_h[b]].tolist() for b in range(batch)]
-                    if host_tokens is not None:
-                        before = [len(t) for t in host_tokens]
-                        for b in range(batch):
-                            host_tokens[b].extend(new[b])
-                        self._apply_criteria(req, host_tokens, stop_at, before)
-                        # a criterion may stop a row mid-round: nothing past it is emitted
-                        new = [t if cap is None else t[: max(0, cap - k)] for t, cap, k in zip(new, stop_at, before, strict=False)]
-                    if streamer is not None and new[0]:
-                        streamer.put(torch.tensor(new[0]))
+                if replay is not None:  # HF's steps over this round's tokens: criteria, streamer
+                    self._freeze(replay.feed(out.cpu(), n.tolist(), steps and steps[-1][0]))
+                    if replay.done:
+                        break
             if overlap:
                 flags = self._flags_to_host()
                 if pending is not None and self._flags_done(pending):
@@ -560,9 +549,24 @@ class SpeculativeGenerator:
                 pending = flags
             if req.max_time is not None and time.monotonic() - start > req.max_time:
                 break
-        if streamer is not None:
-            streamer.end()
-        return self._finish(req, batch, stop_at, steps)
+        if replay is None:
+            return self._finish(req, batch, [None] * batch, steps)
+        replay.end()
+        return self._finish(req, batch, replay.counts(), steps)
+
+    def _replay(self, req: GenerateRequest, collect: bool) -> StepReplay | None:
+        """HF's per-step calls for a call with stopping criteria or a streamer (step_replay)."""
+        if req.streamer is None and req.stopping_criteria is None:
+            return None
+        eos, pad = req.sampling.eos_token_ids, req.pad_token_id
+        scores = collect and req.output_scores  # HF passes its scores tuple only then
+        return StepReplay(req.input_ids, req.max_new_tokens, eos, pad, req.pads_finished, req.stopping_criteria,
+                          req.streamer, scores)
+
+    def _freeze(self, rows: list[int]) -> None:
+        """Finish rows on the device (a stopping criterion stopped them: nothing more is generated)."""
+        if rows:
+            self.state.finished[rows] = True
 
     def _auto_k_times(self, mode, collect, warmup: int = 2, repeats: int = 7) -> dict[int, float] | None:
         """Round times of every candidate K (0 and ``auto_k_values``) for this call's graph
@@ -603,9 +607,9 @@ class SpeculativeGenerator:
             logger.info("specfx: auto K round times for %s: %s", key, times)
         return times
 
-    def _overlap_reads(self, streamer, host_tokens, collect) -> bool:
+    def _overlap_reads(self, replay, collect) -> bool:
         """Whether this call reads the finished flags one round late (SpecConfig.overlap_reads)."""
-        if streamer is not None or host_tokens is not None or collect or self.auto_k is not None:
+        if replay is not None or collect or self.auto_k is not None:
             return False  # these read every round's tokens or counters
         wanted = self.spec_config.overlap_reads
         return self.device.type == "cuda" if wanted is None else wanted
@@ -660,23 +664,8 @@ class SpeculativeGenerator:
             f"(float16 overflow is a common cause; try bfloat16 or float32)."
         )
 
-    def _apply_criteria(self, req, host_tokens, stop_at, before) -> None:
-        """Run the user's stopping criteria token by token (HF semantics: stop right after the
-        token that triggers them); the criteria get ``scores=None``."""
-        s = self.state
-        for b, toks in enumerate(host_tokens):
-            if stop_at[b] is not None:
-                continue
-            start = before if isinstance(before, int) else before[b]
-            for j in range(start, len(toks)):
-                seq = torch.cat([req.input_ids[b].cpu(), torch.tensor(toks[: j + 1])]).unsqueeze(0)
-                done = req.stopping_criteria(seq, None)
-                if bool(torch.as_tensor(done).any()):
-                    stop_at[b] = j + 1
-                    s.finished[b] = True
-                    break
-
-    def _finish(self, req: GenerateRequest, batch: int, stop_at, steps):
+    def _finish(self, req: GenerateRequest, batch: int, caps: list[int | None], steps):
+        """The output: row b's new tokens, at most ``caps[b]`` (the step replay's counts), padded."""
         s = self.state
         if bool(s.invalid.any()):  # the last round's flag (the loop may end without a read)
             self._raise_invalid()
@@ -684,7 +673,7 @@ class SpeculativeGenerator:
         prompt = req.prompt_lengths.cpu()
         tokens = s.tokens[:batch].cpu()
         counts = (lengths + 1 - prompt).tolist()
-        counts = [c if cap is None else min(c, cap) for c, cap in zip(counts, stop_at, strict=False)]
+        counts = [c if cap is None else min(c, cap) for c, cap in zip(counts, caps, strict=True)]
         width = max(counts)
         pad = req.pad_token_id if req.pad_token_id is not None else 0
         new = torch.full((len(counts), width), pad, dtype=torch.long)

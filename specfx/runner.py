@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 
 import torch
 from transformers import PreTrainedModel
@@ -219,6 +220,17 @@ class ModelRunner:
         if signature != self._tap_signature:
             self._tap_graphs, self._tap_signature = {}, signature
         self._tap_graphs = {k: g for k, g in self._tap_graphs.items() if k[2] == capacity}
+
+    @contextmanager
+    def scratch_cache(self, batch_size: int, capacity: int):
+        """Buffers of this shape for the ``with`` block only (a check at ``speculate()`` time,
+        before the generator allocates); the runner's own cache is back afterwards."""
+        saved = self.cache
+        try:
+            self._allocate_buffers(batch_size, capacity)
+            yield self.cache
+        finally:
+            self.cache = saved
 
     def _allocate_buffers(self, batch_size: int, capacity: int) -> None:
         self.cache = SlotCache(self.cache_layers, batch_size, capacity, self.device)

@@ -18,8 +18,10 @@ from transformers import (
     AutoModelForSeq2SeqLM,
     DynamicCache,
     LogitsProcessorList,
+    StoppingCriteriaList,
     TemperatureLogitsWarper,
 )
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.streamers import BaseStreamer
 
 import specfx
@@ -387,11 +389,25 @@ GENERATE_CASES = {
                   ValueError, r"num_beams=2 is not supported"),
     "num_return_sequences_greedy": (lambda s, d: s.generate(_ids(), max_new_tokens=5, num_return_sequences=2),
                                     ValueError, r"num_return_sequences"),
-    "num_return_sequences_sampling": (
-        lambda s, d: s.generate(_ids(), max_new_tokens=5, do_sample=True, num_return_sequences=2),
-        ValueError, r"num_return_sequences=2 is not supported"),
     "no_repeat_ngram_size": (lambda s, d: s.generate(_ids(), max_new_tokens=5, no_repeat_ngram_size=2),
                              ValueError, r"no_repeat_ngram_size=2 is not supported"),
+    # sampling-only warpers are ignored when greedy (as HF does) but refused when sampling
+    "min_p_sampling": (lambda s, d: s.generate(_ids(), max_new_tokens=5, do_sample=True, min_p=0.1),
+                       ValueError, r"min_p=0.1 is not supported"),
+    "typical_p_sampling": (lambda s, d: s.generate(_ids(), max_new_tokens=5, do_sample=True, typical_p=0.5),
+                           ValueError, r"typical_p=0.5 is not supported"),
+    "suppress_tokens_not_empty": (lambda s, d: s.generate(_ids(), max_new_tokens=5, suppress_tokens=[7]),
+                                  ValueError, r"suppress_tokens=\[7\] is not supported"),
+    "cache_implementation_static": (lambda s, d: s.generate(_ids(), max_new_tokens=5, cache_implementation="static"),
+                                    ValueError, r"cache_implementation='static' is not supported"),
+    "token_healing": (lambda s, d: s.generate(_ids(), max_new_tokens=5, token_healing=True),
+                      ValueError, r"token_healing=True is not supported"),
+    "output_hidden_states_returned": (
+        lambda s, d: s.generate(_ids(), max_new_tokens=5, output_hidden_states=True, return_dict_in_generate=True),
+        ValueError, r"output_hidden_states=True is not supported: specfx does not return"),
+    "output_attentions_returned": (
+        lambda s, d: s.generate(_ids(), max_new_tokens=5, output_attentions=True, return_dict_in_generate=True),
+        ValueError, r"output_attentions=True is not supported: specfx does not return"),
     "logits_processor": (
         lambda s, d: s.generate(_ids(), max_new_tokens=5,
                                 logits_processor=LogitsProcessorList([TemperatureLogitsWarper(0.5)])),
@@ -478,9 +494,18 @@ GENERATE_CASES = {
                               ValueError, r"logits_to_keep=.* is not supported"),
     "logits_to_keep_negative": (lambda s, d: s.generate(_ids(), max_new_tokens=5, logits_to_keep=-1),
                                 ValueError, r"logits_to_keep=-1 is not supported"),
-    # streamer
-    "streamer_with_batch_2": (lambda s, d: s.generate(_ids(batch=2), streamer=_Recorder(), max_new_tokens=5),
-                              ValueError, r"streamer needs batch size 1"),
+    # stopping criteria transformers would use instead of its own max length / EOS
+    "max_length_criteria_beyond_max_length": (
+        lambda s, d: s.generate(_ids(), max_new_tokens=5, stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(40)])),
+        ValueError, r"MaxLengthCriteria\(max_length=40\), which transformers uses instead of its own max_length=11"),
+    "eos_criteria_without_the_eos_ids": (
+        lambda s, d: s.generate(_ids(), max_new_tokens=5, eos_token_id=2,
+                                stopping_criteria=StoppingCriteriaList([EosTokenCriteria(7)])),
+        ValueError, r"EosTokenCriteria without every eos_token_id \[2\]"),
+    "criteria_with_eos_attribute_and_no_pad": (
+        lambda s, d: s.generate(_ids(), max_new_tokens=5, eos_token_id=None, pad_token_id=None,
+                                stopping_criteria=StoppingCriteriaList([EosTokenCriteria(7)])),
+        ValueError, r"a stopping criterion has an eos_token_id, .* Pass pad_token_id="),
 }
 
 
@@ -498,8 +523,8 @@ def test_streamer_untouched_when_rejected(models, spec):
     target, draft = models
     guard = Guard(target, draft, spec=spec)
     streamer = _Recorder()
-    with pytest.raises(ValueError, match=r"streamer needs batch size 1"):
-        spec.generate(_ids(batch=2), streamer=streamer, max_new_tokens=5)
+    with pytest.raises(ValueError, match=r"num_beams=2 is not supported"):
+        spec.generate(_ids(batch=2), streamer=streamer, max_new_tokens=5, num_beams=2)
     assert streamer.values == [] and streamer.ended == 0
     guard.check()
 

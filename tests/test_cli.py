@@ -13,10 +13,28 @@ from specfx.models.demo import load_demo_pair
 def test_marking_streamer_marks_all_but_the_last_token_of_a_round():
     s = MarkingStreamer()
     s.put(torch.tensor([[5, 6, 7]]))  # the prompt: not recorded
+    s.put_round([1])
     s.put(torch.tensor([8]))  # prefill's token: from the target
-    s.put(torch.tensor([9, 10, 11]))  # a round: two accepted proposals, then the correction
+    s.put_round([3])  # a round: two accepted proposals, then the correction, put one by one
+    for t in (9, 10, 11):
+        s.put(torch.tensor([t]))
+    s.put_round([2])  # a round cut short after its first token (a stopping criterion)
+    s.put(torch.tensor([12]))
     s.end()
-    assert s.tokens == [(8, False), (9, True), (10, True), (11, False)]
+    assert s.tokens == [(8, False), (9, True), (10, True), (11, False), (12, True)]
+
+
+def test_marking_streamer_on_a_generation():
+    """specfx tells the streamer each round's size before putting its tokens one at a time."""
+    import specfx
+    from tests.conftest import pair, prompt
+
+    target, draft = pair("llama", "self")  # every proposal accepted
+    spec = specfx.speculate(target, draft=draft, num_speculative_tokens=3, compile=False)
+    s = MarkingStreamer()
+    out = spec.generate(prompt(6), max_new_tokens=9, streamer=s)
+    assert [t for t, _ in s.tokens] == out[0, 6:].tolist()
+    assert [m for _, m in s.tokens] == [False] + [True, True, True, False] * 2
 
 
 def test_render_marked_wraps_accepted_runs():

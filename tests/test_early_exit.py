@@ -136,6 +136,61 @@ def test_bad_exit_layer_is_a_clear_error(draft, error, match):
     assert target.config.num_hidden_layers == 3
 
 
+def _dbrx():
+    return tiny_causal_lm("dbrx", num_layers=2, attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+                          ffn_config=dict(ffn_hidden_size=128, moe_num_experts=4, moe_top_k=2))
+
+
+def test_forward_dynamo_cannot_capture_is_refused_at_speculate(one_thread):
+    """DBRX's experts run in a loop over the experts tokens were routed to (data-dependent):
+    its forward cannot be captured as one graph. speculate() says so, not the first generate()."""
+    target = _dbrx()
+    with pytest.raises(ValueError, match=r"early_exit:1.*DbrxForCausalLM.s forward as one graph failed.*data-dependent.*modeling_dbrx"):
+        specfx.speculate(target, draft="early_exit:1", compile=False)
+    spec = specfx.speculate(target, draft="prompt_lookup", num_speculative_tokens=3, compile=False)
+    ids = prompt(6, seed=1)
+    assert torch.equal(spec.generate(ids, max_new_tokens=10), target.generate(ids, max_new_tokens=10))
+
+
+def _longcat(blocks, dense=False):
+    model = tiny_causal_lm("longcat_flash", num_layers=blocks, num_key_value_heads=4, head_dim=8, zero_expert_num=2,
+                           moe_topk=2, seed=5)
+    if dense:  # its MoE shortcut made a dense MLP (that MoE's expert loop cannot be captured); the blocks stay
+        from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashMLP
+
+        torch.manual_seed(5)
+        for block in model.model.layers:
+            block.mlp = LongcatFlashMLP(model.config)
+    return model
+
+
+def test_blocks_of_several_layers_are_the_exit_boundaries(one_thread):
+    """LongCat-Flash: each decoder block holds two attention sublayers (two cache layers), and
+    config.num_hidden_layers counts those: 6 for the 3 blocks of model.layers. N counts blocks."""
+    target, layer = _longcat(3, dense=True), 2
+    assert target.config.num_hidden_layers == 6 and len(target.model.layers) == 3
+    spec = specfx.speculate(target, draft=f"early_exit:{layer}", num_speculative_tokens=3, compile=False)
+    ids, mask = left_padded(8, (3, 0), seed=2)
+    kw = dict(attention_mask=mask, max_new_tokens=16, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(spec.generate(ids, **kw), target.generate(ids, **kw))
+    assert spec.stats.proposed > 0
+    # the draft's KV is the target's cache layers of its blocks: 2 per block
+    kv = {id(t): i for i, c in enumerate(spec.target_runner.cache.layers) for t in (c.keys, c.values)}
+    assert sorted({kv[id(x)] for x in spec.drafter.graph.bound if id(x) in kv}) == list(range(2 * layer))
+
+
+def test_longcat_flash_moe_is_refused_at_speculate(one_thread):
+    """With its real MoE (a loop over the experts tokens were routed to, data-dependent), the
+    forward cannot be captured: refused at speculate(), with that reason."""
+    with pytest.raises(ValueError, match=r"LongcatFlashForCausalLM's forward as one graph failed.*data-dependent"):
+        specfx.speculate(_longcat(2), draft="early_exit:1", compile=False)
+
+
+def test_blocks_of_several_layers_bound_the_exit_layer(one_thread):
+    with pytest.raises(ValueError, match=r"must be in \[1, 1\] \(the target has 2 decoder blocks; config.num_hidden_layers = 4"):
+        specfx.speculate(_longcat(2), draft="early_exit:2", compile=False)
+
+
 def test_early_exit_constructor_type_errors():
     with pytest.raises(TypeError, match="must be an int N"):
         specfx.EarlyExit(layer="2")
@@ -198,3 +253,18 @@ def test_alternating_batch_sizes_compile_each_round_once(one_thread):
             out = spec.generate(ids, max_new_tokens=4)
         assert torch.equal(out, target.generate(ids, max_new_tokens=4))
     assert len(spec.compile_events) == 2
+
+
+def test_hidden_taps_refuse_blocks_of_several_layers():
+    """Taps are numbered by config.num_hidden_layers (HF's hidden_states[i] is layer i's input):
+    inside a LongCat block there is no boundary to tap, so the layer names are refused."""
+    from transformers import AutoModelForCausalLM
+
+    from specfx.capture import decoder_blocks, decoder_layer_names
+    from specfx.models.tiny import tiny_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config("longcat_flash", num_layers=2))
+    assert decoder_blocks(model) == ["model.layers.0", "model.layers.1"]
+    with pytest.raises(ValueError, match=r"num_hidden_layers = 4 counts 2 layers per decoder block \(2 blocks, model.layers\)"):
+        decoder_layer_names(model)

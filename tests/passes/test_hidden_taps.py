@@ -220,14 +220,16 @@ def test_a_tap_mutated_in_place_later_is_the_value_it_had():
 
 
 def test_pass_errors_name_the_pass_in_the_runner(monkeypatch, one_thread):
-    """A model whose graph the pass cannot read fails at capture, naming the pass."""
+    """A model whose graph the pass cannot read is refused at capture with a ValueError naming
+    the pass (the PassError is its cause)."""
     runner = _runner()
     monkeypatch.setattr("specfx.runner.decoder_layer_names", lambda model: ["nowhere.0", "nowhere.1", "nowhere.2"])
     zeros = torch.zeros((2, 1), dtype=torch.long)
     with pytest.raises(
-        PassError, match=r"specfx pass 'hidden_taps' failed.*no graph node was traced inside decoder layer"
-    ):
+        ValueError, match=r"cannot be tapped: specfx pass 'hidden_taps' failed.*no graph node was traced inside decoder"
+    ) as refused:
         runner.forward(zeros, zeros, torch.full_like(zeros, runner.cache.trash_slot), taps=("final",))
+    assert isinstance(refused.value.__cause__, PassError)
 
 
 def test_captures_are_kept_per_shape_and_dropped_with_the_capacity(one_thread):

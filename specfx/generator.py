@@ -20,6 +20,7 @@ from .config import AUTO, MAX_SPECULATIVE_TOKENS, SpecConfig
 from .drafters import resolve_drafter
 from .generate_args import GenerateRequest, resolve_generate_args
 from .graph_utils import fresh_code, release_code
+from .hf_names import penalty_counts_left_padding
 from .passes.backend import GraphRecord, GraphRecords, make_backend
 from .passes.live_kv import LiveKV
 from .round import RoundState, prefill_step, round_step
@@ -117,6 +118,7 @@ class SpeculativeGenerator:
     """
 
     def __init__(self, model, draft, config: SpecConfig):
+        penalty_counts_left_padding()  # read eagerly: the prefill graphs read it as a constant
         self.target_runner = ModelRunner(model, role="target")
         self.drafter = resolve_drafter(draft, model)
         self.drafter.bind(self.target_runner)
@@ -503,7 +505,10 @@ class SpeculativeGenerator:
         self._ensure_state(rows, seq_len + req.max_new_tokens + self.k + 2)
         self._grow_live(self.live_bound(seq_len, req.max_new_tokens))
         self._load_request(req, batch)
-        ids = torch.nn.functional.pad(req.input_ids, (bucket - seq_len, 0, 0, rows - batch))  # [rows, bucket]
+        # [rows, bucket]: columns past HF's own width hold -1 (never a token: the repetition
+        # penalty must not count them where it counts the caller's padding, round.prefill_step)
+        ids = torch.nn.functional.pad(req.input_ids, (bucket - seq_len, 0), value=-1)
+        ids = torch.nn.functional.pad(ids, (0, 0, 0, rows - batch))
         collect = req.return_dict_in_generate and (req.output_scores or req.output_logits)
         steps = [] if collect else None  # per round: (scores, logits [B, T, V], n_emitted [B])
 

@@ -1,5 +1,8 @@
-"""The names transformers gives the KV cache, resolved in one place for every supported release.
+"""What differs between the transformers releases specfx supports, resolved in one place.
 
+Read by capability (what the installed release does), never by version number.
+
+The cache's name.
 transformers 5.24 renamed the cache argument of every forward (models, decoder layers,
 attention modules, MTP layers) from ``past_key_values`` to ``cache``, keeping the old name as a
 deprecated alias until 5.40, and the output classes' field (``GenerateDecoderOnlyOutput``,
@@ -8,6 +11,8 @@ either name by hand: it asks the callable it is about to call (:func:`cache_kwar
 output class it is about to build (:func:`output_cache_field`), by capability, not by version.
 A model loaded with ``trust_remote_code`` may still use the old name on a new transformers;
 asking its own forward covers that too.
+
+The repetition penalty and left padding (:func:`penalty_counts_left_padding`).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import functools
 import inspect
 from collections.abc import Callable
 
-__all__ = ["CACHE_KWARGS", "cache_kwarg", "output_cache", "output_cache_field"]
+__all__ = ["CACHE_KWARGS", "cache_kwarg", "output_cache", "output_cache_field", "penalty_counts_left_padding"]
 
 # The names a forward may give its cache argument, newest first.
 CACHE_KWARGS = ("cache", "past_key_values")
@@ -57,3 +62,31 @@ def output_cache(output):
     """The cache an HF output object carries, under whichever name its class uses (reading the
     deprecated ``past_key_values`` property of a new output would log a deprecation warning)."""
     return getattr(output, output_cache_field(type(output)))
+
+
+_PENALTY_COUNTS_PADDING: bool | None = None  # read once; a plain global so compiled code reads a constant
+
+
+def penalty_counts_left_padding() -> bool:
+    """Whether HF's ``generate()`` counts a left-padded row's padding tokens as seen for the
+    repetition penalty: up to transformers 5.22 it penalises every id in ``input_ids``, padding
+    included; from 5.23 on ``generate()`` passes each row's padding length as
+    ``prompt_ignore_length`` and the processor skips it (the processor learned per-row lengths in
+    the same change, which is what this checks: two rows, different lengths). Called once eagerly
+    (``speculate()``) before any graph that reads it is traced."""
+    global _PENALTY_COUNTS_PADDING
+    if _PENALTY_COUNTS_PADDING is None:
+        _PENALTY_COUNTS_PADDING = _probe_penalty()
+    return _PENALTY_COUNTS_PADDING
+
+
+def _probe_penalty() -> bool:
+    import torch
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    try:
+        processor = RepetitionPenaltyLogitsProcessor(2.0, prompt_ignore_length=torch.tensor([1, 0]))
+        scores = processor(torch.tensor([[3, 4], [3, 4]]), torch.ones(2, 5))
+    except (TypeError, ValueError, RuntimeError):  # a release whose processor takes one int for every row
+        return True
+    return not (scores[0, 3] == 1 and scores[1, 3] != 1)

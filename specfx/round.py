@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .graph_utils import mark_static
+from .hf_names import penalty_counts_left_padding
 from .sampling import PLACEHOLDER, Mode, as_mode, greedy_verify, process_logits, rejection_verify, sample_from, uniform
 from .tree import TokenTree
 
@@ -173,7 +174,8 @@ def prefill_step(target, drafter, state: RoundState, ids: torch.Tensor, vocab: i
     """Prefill target and drafter on the prompt and choose the first new token.
 
     ``ids [B, P]`` is the prompt left-padded to a bucket length P (so every row's last real
-    token is in column P-1 and its logits are the last column's). Real token j of a row sits at
+    token is in column P-1 and its logits are the last column's): the caller's own padding
+    ids, then -1 in the columns the bucket adds. Real token j of a row sits at
     position and slot j; padding goes to the trash slot and to position 0, so it only sees
     slot 0 (a real token) and nothing real ever sees it. Inert rows (``live`` False) are
     finished from the start. Returns the first token ``[B]``; with ``collect`` also the
@@ -188,6 +190,10 @@ def prefill_step(target, drafter, state: RoundState, ids: torch.Tensor, vocab: i
     real = pos >= 0
     slots = torch.where(real, pos, target.cache.trash_slot)
     pos = pos.clamp_min(0)
+    # the ids the repetition penalty counts: HF's generate() counts the padding ids too up to
+    # transformers 5.22, skips them from 5.23 on (hf_names.penalty_counts_left_padding)
+    counted = real | ((ids >= 0) & (ids < vocab)) if penalty_counts_left_padding() else real
+    given = torch.where(counted, ids, PLACEHOLDER)
     ids = torch.where(real, ids, PLACEHOLDER)
     out = target.forward(ids, pos, slots, taps=drafter.taps, last_only=True)
     logits, features = out if drafter.taps else (out, None)  # logits [B, 1, V]: the last column's
@@ -195,7 +201,7 @@ def prefill_step(target, drafter, state: RoundState, ids: torch.Tensor, vocab: i
 
     s.tokens.scatter_(1, slots, ids)
     s.seen.zero_()
-    s.seen.scatter_add_(1, ids, real.int())
+    s.seen.scatter_add_(1, given, counted.int())
     s.counter.zero_()
     ctx = RoundContext(s, 0, vocab, mode)
     # gen_index of the first token is 0: process() predicts lengths + 1 + first - prompt_len

@@ -138,7 +138,8 @@ class EagleTrain(_EagleCommon):
     kind = "eagle"
 
     def __init__(self, runner: ModelRunner, init: str | None, seed: int, noise: float = 0.0):
-        head = Eagle(init) if init is not None else Eagle.random(runner.model, seed=seed)
+        # from scratch without an fc bias: vLLM's EAGLE fc has none (docs/HEADS.md)
+        head = Eagle(init) if init is not None else Eagle.random(runner.model, seed=seed, fc_bias=False)
         self.seed, self.noise = seed, noise
         head.bind(runner)
         head.fc.train()

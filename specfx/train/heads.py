@@ -226,8 +226,9 @@ class Eagle3Train(_EagleCommon):
             vocab = runner.vocab_size
             size = min(vocab, draft_vocab_size or 32000)
             layers = runner.num_layers
-            # vLLM's default taps (inputs of layers 2, L//2, L-3) need L >= 6; fewer: the last three boundaries
-            ids = None if layers >= 6 else [max(0, layers - 3) + i for i in range(3)]
+            # the default taps (inputs of layers 2, L//2, L-3) repeat a layer below 7 layers, which vLLM, SGLang
+            # and SafeAILab capture only once: there, three distinct boundaries (the last three) instead
+            ids = None if layers >= 7 else [max(0, layers - 3) + i for i in range(3)]
             head = Eagle3.random(model, draft_vocab_size=size, seed=seed, layer_ids=ids, **(sizes or {}))
             chosen = draft_vocabulary(stream, vocab, size)
             with torch.no_grad():
@@ -246,7 +247,7 @@ class Eagle3Train(_EagleCommon):
         first k entries have no draft path and are not scored)."""
         h = self.drafter.head
         tokens, pos = self.entry_inputs(ids)
-        fused = h.fc(torch.cat(features, dim=-1).to(h.fc.weight.dtype))  # [B, T, H]
+        fused = self.drafter._feature(features)  # [B, T, H]: fc over the taps in the head's order
         emb = F.embedding(tokens, self.drafter.embed_weight.detach()).to(fused.dtype)  # [B, T-1, H], raw lookup
         rope = h.rotary_emb(fused, pos)
         kv, feature, n = _StepKV(), fused[:, :-1], pos.shape[1]

@@ -84,7 +84,9 @@ class _Params(nn.Module):
 class MedusaTrain(TrainHead):
     kind = "medusa"
 
-    def __init__(self, runner: ModelRunner, init: str | None, num_heads: int, num_layers: int, seed: int):
+    def __init__(self, runner: ModelRunner, init: str | None, num_heads: int, num_layers: int, seed: int,
+                 layout: str = "vllm", base_model: str | None = None):  # fmt: skip
+        self.layout, self.base_model = layout, base_model  # how save() writes it (Medusa.save)
         model = runner.model
         if init is not None:
             heads = Medusa(init)
@@ -121,7 +123,8 @@ class MedusaTrain(TrainHead):
 
     def save(self, path):
         p = self.module
-        return Medusa.from_weights(p.weight.detach(), p.bias.detach(), p.lm_head.detach()).save(path)
+        heads = Medusa.from_weights(p.weight.detach(), p.bias.detach(), p.lm_head.detach())
+        return heads.save(path, self.layout, base_model_name_or_path=self.base_model)
 
 
 class _EagleCommon(TrainHead):

@@ -421,7 +421,7 @@ def test_tap_conventions():
     assert resolve_taps({}, 7) == ("layer:2", "layer:3", "layer:4")
 
 
-def test_default_taps_repeat_below_six_layers_and_run_as_listed(tmp_path, one_thread):
+def test_default_taps_repeat_below_seven_layers_and_run_as_listed(tmp_path, one_thread):
     """The default taps 2, L // 2, L - 3 repeat a layer below 7 target layers (L = 4: [2, 2, 1],
     L = 5: [2, 2, 2], L = 6: [2, 3, 3]; SpecForge's default [1, L//2 - 1, L - 4] is the same states). SpecForge's
     HF capture concatenates them as listed, repeats included, and so does specfx: greedy output

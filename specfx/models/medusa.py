@@ -199,7 +199,7 @@ class Medusa(Drafter):
           ``lm_heads.{i}``) and a ``config.json`` with ``model_type: "medusa"``, which vLLM's
           Medusa loader reads (it skips tensors of any other name);
         * ``"medusa"``: FasterDecoding's, ``medusa_lm_head.safetensors`` (``{i}.{j}.linear``,
-          ``{i}.{num_layers}``; TGI reads it, FasterDecoding's loader the same tensors as
+          ``{i}.{num_layers}``; FasterDecoding's loader reads the same tensors as
           ``medusa_lm_head.pt``) and a ``config.json`` with ``medusa_num_heads``,
           ``medusa_num_layers`` and ``base_model_name_or_path``, which FasterDecoding's loader
           needs to find the target: ``base_model_name_or_path`` if given, else the bound

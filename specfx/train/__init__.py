@@ -98,7 +98,7 @@ class TrainConfig:
         if self.medusa_layout not in MEDUSA_LAYOUTS:
             raise ValueError(
                 f"--medusa-layout {self.medusa_layout!r}: choose {' or '.join(MEDUSA_LAYOUTS)} (docs/HEADS.md: vllm for "
-                f"vLLM, medusa for FasterDecoding's Medusa and TGI)."
+                f"vLLM, medusa for FasterDecoding's Medusa)."
             )
         if self.seq_len < 4:
             raise ValueError(f"--seq-len must be >= 4, got {self.seq_len}.")
@@ -414,7 +414,7 @@ def parser() -> argparse.ArgumentParser:
         choices=MEDUSA_LAYOUTS,
         default=defaults.medusa_layout,
         help="--head medusa: the tensor names and config.json written: vllm (vLLM's Medusa loader, the default) or "
-        "medusa (FasterDecoding's and TGI's medusa_lm_head.safetensors); no engine reads both (docs/HEADS.md)",
+        "medusa (FasterDecoding's names, medusa_lm_head.safetensors); no engine reads both (docs/HEADS.md)",
     )
     p.add_argument("--eval-ks", type=int, nargs="+", default=[2, 4, 8], help="chain lengths K evaluated at the end")
     p.add_argument(

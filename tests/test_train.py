@@ -20,6 +20,7 @@ from specfx.models.tiny import tiny_causal_lm
 from specfx.train import main
 from specfx.train.data import load_texts
 from specfx.train.heads import draft_vocabulary, ttt_mask
+from tests.models import engine_rules as rules
 
 DEMO_TARGET = Path(__file__).resolve().parents[1] / "specfx" / "models" / "demo_pair" / "target"
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -63,6 +64,8 @@ def test_train_end_to_end(one_thread, tiny_dir, corpus, tmp_path, head):
     import specfx
 
     model = load_causal_lm(tiny_dir)
+    if head == "medusa":  # by default in vLLM's layout, every tensor of which its loader fills
+        assert rules.vllm_medusa(out / "head").never_loaded == []
     drafter = CLASSES[head](out / "head")
     spec = specfx.speculate(model, draft=drafter, num_speculative_tokens=2, compile=False)
     ids = torch.tensor([[5, 17, 99, 3, 250, 8]])
@@ -104,7 +107,10 @@ def test_train_refuses_bad_arguments(one_thread, tiny_dir, corpus, tmp_path, cap
     assert "does not exist" in capsys.readouterr().err
     assert main(args(tiny_dir, "eagle", corpus, out, "--resume")) == 2
     assert "holds no checkpoint" in capsys.readouterr().err
-    assert main(args(tiny_dir, "medusa", corpus, out, "--steps", "1", "--eval-prompts", "0")) == 0
+    layout = ("--medusa-layout", "medusa")  # FasterDecoding's: it loads the target from base_model_name_or_path
+    assert main(args(tiny_dir, "medusa", corpus, out, "--steps", "1", "--eval-prompts", "0", *layout)) == 0
+    config = json.loads((out / "head" / "config.json").read_text())
+    assert config["base_model_name_or_path"] == str(tiny_dir.resolve()) and config["medusa_num_heads"] == 4
     assert main(args(tiny_dir, "medusa", corpus, out, "--steps", "1", "--eval-prompts", "0")) == 2
     assert "pass --resume" in capsys.readouterr().err
     assert main(args(tiny_dir, "medusa", corpus, out, "--steps", "2", "--seed", "1", "--resume")) == 2

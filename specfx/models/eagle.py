@@ -76,9 +76,9 @@ from ..hf_names import cache_kwarg
 from ..masks import TreeView, check_attn_implementation, layer_pattern, mask_plan, to_format, visible_slots
 from ..runner import ModelRunner
 from ..tree_round import draft_dynamic_tree, draft_tree, level_inputs, tree_view
-from .heads import HeadCheckpoint, check_tensors, read_head, write_head
+from .heads import HeadCheckpoint, check_tensors, read_head, warn_engine_gaps, write_head
 
-__all__ = ["Eagle", "EagleBase", "from_name", "target_rotary"]
+__all__ = ["Eagle", "EagleBase", "from_name", "rope_keys", "target_rotary"]
 
 
 def target_rotary(model, owner: str):
@@ -231,14 +231,35 @@ _CONFIG_KEYS = ("model_type", "hidden_size", "vocab_size", "max_position_embeddi
                 "pad_token_id", "bos_token_id", "eos_token_id") + _LAYER_OVERRIDES  # fmt: skip
 
 
+def _getter(config):
+    return config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+
+
 def _rope_theta(config) -> float | None:
-    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+    get = _getter(config)
     theta = get("rope_theta")
     if theta is None:
         params = get("rope_parameters")
         if isinstance(params, dict):
             theta = params.get("rope_theta")
     return theta
+
+
+def rope_keys(config) -> dict:
+    """``config``'s rotary settings (a config object or a config.json dict) as a head's
+    config.json writes them for every engine: ``rope_theta`` at the top level, where SafeAILab's
+    EConfig, vLLM and SGLang read it (transformers 5 keeps it only inside ``rope_parameters``,
+    which those readers ignore: a head saved without it runs with base 10000 there), and for
+    scaled rotary ``rope_scaling`` (``rope_parameters`` without the base)."""
+    get = _getter(config)
+    params = dict(get("rope_parameters") or {})
+    if params and "rope_type" not in params and "rope_theta" not in params:  # per layer type (Gemma 3)
+        params = dict(params.get("full_attention") or next(iter(params.values())))
+    theta = params.pop("rope_theta", None) or get("rope_theta") or 10000.0
+    keys = {"rope_theta": float(theta)}
+    if params.get("rope_type", "default") != "default":
+        keys["rope_scaling"] = params
+    return keys
 
 
 def _target_layer(model, owner: str) -> nn.Module:
@@ -308,6 +329,31 @@ def _is_norm(name: str, t: torch.Tensor) -> bool:
     return t.dim() == 1 and "norm" in name
 
 
+def _layer_type_and_pattern(layer_config, owner: str):
+    """``(layer_type or None, mask pattern)`` of a head's layer 0 (layer 0's attention pattern,
+    e.g. Gemma2's sliding window)."""
+    layer_types = getattr(layer_config, "layer_types", None)
+    layer_type = layer_types[0] if layer_types else None
+    if layer_type is not None:
+        return layer_type, layer_pattern(layer_config, layer_type, owner)
+    return None, mask_plan(layer_config, owner).single
+
+
+# The engines' EAGLE-1 layer (SafeAILab's cnets1.LlamaDecoderLayer, vLLM's and SGLang's
+# LlamaDecoderLayer, each without its input norm) holds these tensors; transformers' layer
+# classes that compute that layer from them (Mistral: plus a window; Qwen2: plus q/k/v biases).
+_LLAMA_LAYER_CLASSES = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
+_LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral")  # mixtral: SafeAILab's dense heads
+_LLAMA_WEIGHTS = frozenset(
+    f"layers.0.{n}.weight"
+    for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+              "mlp.up_proj", "mlp.down_proj", "post_attention_layernorm")
+)  # fmt: skip
+_QKV_BIAS = frozenset(f"layers.0.self_attn.{p}_proj.bias" for p in "qkv")
+_O_BIAS = frozenset({"layers.0.self_attn.o_proj.bias"})
+_MLP_BIAS = frozenset(f"layers.0.mlp.{p}_proj.bias" for p in ("gate", "up", "down"))
+
+
 class Eagle(EagleBase):
     """An EAGLE-1/2 head in SafeAILab's layout: ``fc`` (2H -> H, with a bias in SafeAILab's
     checkpoints) on ``cat[embed(token), feature]``, then one decoder layer of the target's own
@@ -366,6 +412,8 @@ class Eagle(EagleBase):
         self.checkpoint = ckpt
         self.fc: nn.Linear | None = None
         self.layer: nn.Module | None = None
+        # (layer class name, mask pattern) once known (random() or bind): what engine_gaps checks
+        self.layer_facts: tuple[str, tuple] | None = None
 
     def __repr__(self) -> str:
         return f"Eagle({str(self.checkpoint.path)!r})"
@@ -438,27 +486,36 @@ class Eagle(EagleBase):
         self.fc, self.layer, self.layer_config = fc.eval(), layer, layer_config
 
     @classmethod
-    def random(cls, target, seed: int = 0, std: float | None = None) -> Eagle:
+    def random(cls, target, seed: int = 0, std: float | None = None, *, fc_bias: bool = False) -> Eagle:
         """A head for ``target`` (an HF causal LM) with seeded random weights (norms at their
         defaults; ``std`` defaults to the target's ``initializer_range``): for tests and as a
-        starting point for training. Its drafts are meaningless until trained."""
+        starting point for training. Its drafts are meaningless until trained.
+
+        ``fc_bias``: give ``fc`` a (random) bias, as SafeAILab's heads have. Off by default:
+        vLLM's EAGLE ``fc`` has no bias and drops ``fc.bias``, so only a head without one (saved
+        as a zero bias, which SGLang's and SafeAILab's ``fc`` need) drafts the same everywhere."""
         model = target.model if isinstance(target, ModelRunner) else target
         config = model.config.get_text_config()
         std = float(getattr(config, "initializer_range", 0.02)) if std is None else std
-        layer, _ = _decoder_layer(model, {}, "Eagle.random")
+        layer, layer_config = _decoder_layer(model, {}, "Eagle.random")
         hidden = config.hidden_size
         g = torch.Generator().manual_seed(seed)
 
         def rand(*shape):
             return torch.randn(shape, generator=g) * std
 
-        tensors = {"fc.weight": rand(hidden, 2 * hidden), "fc.bias": rand(hidden)}
+        tensors = {"fc.weight": rand(hidden, 2 * hidden)}
+        bias = rand(hidden)  # drawn either way: a seed gives the same layer weights with or without it
+        if fc_bias:
+            tensors["fc.bias"] = bias
         for k, t in layer.state_dict().items():
             tensors[f"layers.0.{k}"] = t.detach().clone() if _is_norm(k, t) else rand(*t.shape)
         saved = config.to_dict()
         head_config = {k: saved[k] for k in _CONFIG_KEYS if saved.get(k) is not None}
-        head_config.update(architectures=[type(model).__name__], num_hidden_layers=1, bias=True)
-        return cls._from_checkpoint(HeadCheckpoint(Path(f"Eagle.random(seed={seed})"), head_config, tensors))
+        head_config.update(rope_keys(config), architectures=[type(model).__name__], num_hidden_layers=1, bias=fc_bias)
+        head = cls._from_checkpoint(HeadCheckpoint(Path(f"Eagle.random(seed={seed})"), head_config, tensors))
+        head.layer_facts = (type(layer).__name__, _layer_type_and_pattern(layer_config, "Eagle.random")[1])
+        return head
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The head's tensors in the checkpoint layout (the built modules' when built)."""
@@ -470,9 +527,97 @@ class Eagle(EagleBase):
 
     def save(self, path: str | Path) -> Path:
         """Write the head to directory ``path`` in SafeAILab's layout (``config.json`` and
-        ``model.safetensors``), which :class:`Eagle` (``draft="eagle:DIR"``) loads back."""
-        config = dict(self.checkpoint.config, bias=self.has_bias, num_hidden_layers=1)
-        return write_head(path, config, self.state_dict())
+        ``model.safetensors``), which :class:`Eagle` (``draft="eagle:DIR"``), SafeAILab's EAGLE
+        code, vLLM and SGLang load (docs/HEADS.md):
+
+        * ``rope_theta`` at the top level (and ``rope_scaling`` for scaled rotary), where those
+          readers look for the base;
+        * ``fc.bias`` always, zeros for a head without one (SGLang's ``fc`` always has a bias,
+          SafeAILab's by default; vLLM's has none and skips it), and no ``bias`` key: vLLM and
+          SGLang read ``bias`` as *attention* biases, SafeAILab as the fc bias (default true);
+        * ``qkv_bias`` (SafeAILab and vLLM: biases on q/k/v only);
+        * for a Llama layer, ``architectures`` ``["LlamaForCausalLMEagle", "LlamaForCausalLM"]``:
+          SGLang takes the first it knows (its EAGLE class), vLLM prefixes each with ``Eagle``
+          and takes the first it knows (``EagleLlamaForCausalLM``).
+
+        A head some engine would not run as specfx does is saved with a
+        :class:`~specfx.models.heads.HeadLayoutWarning` naming it (:meth:`engine_gaps`)."""
+        tensors = self.state_dict()
+        hidden = tensors["fc.weight"].shape[0]
+        if "fc.bias" not in tensors:
+            tensors["fc.bias"] = torch.zeros(hidden, dtype=tensors["fc.weight"].dtype)
+        config = {k: v for k, v in self.checkpoint.config.items() if k != "bias"}
+        config.update(rope_keys(config), num_hidden_layers=1, qkv_bias=_QKV_BIAS <= set(tensors))
+        if self._llama_layer(tensors):
+            config["architectures"] = ["LlamaForCausalLMEagle", "LlamaForCausalLM"]
+        warn_engine_gaps("EAGLE", path, self.engine_gaps())
+        return write_head(path, config, tensors)
+
+    def _llama_layer(self, tensors: dict[str, torch.Tensor]) -> bool:
+        """Whether the head's layer is the Llama layer every engine builds: its class computes
+        one (when known, else the config's model type says so) and its tensors are a Llama
+        layer's, biases aside."""
+        names = {k for k in tensors if k.startswith("layers.0.")}
+        if not names >= _LLAMA_WEIGHTS or names - _LLAMA_WEIGHTS - _QKV_BIAS - _O_BIAS - _MLP_BIAS:
+            return False
+        if self.layer_facts is not None:
+            return self.layer_facts[0] in _LLAMA_LAYER_CLASSES
+        return self.checkpoint.config.get("model_type") in _LLAMA_MODEL_TYPES
+
+    def engine_gaps(self) -> dict[str, list[str]]:
+        """Why each engine (``"SafeAILab's EAGLE"``, ``"vLLM"``, ``"SGLang"``) would not draft
+        with this head, saved by :meth:`save`, what specfx drafts: engine -> reasons (empty
+        lists where it would). The rules are in docs/HEADS.md; the layer's class and window are
+        checked once known (after :meth:`random` or binding)."""
+        tensors = self.state_dict()
+        config = self.checkpoint.config
+        names = {k for k in tensors if k.startswith("layers.0.")}
+        gaps: dict[str, list[str]] = {"SafeAILab's EAGLE": [], "vLLM": [], "SGLang": []}
+        if not self._llama_layer(tensors):
+            kind = self.layer_facts[0] if self.layer_facts else config.get("model_type")
+            extra = sorted(n[len("layers.0.") :] for n in names - _LLAMA_WEIGHTS - _QKV_BIAS - _O_BIAS - _MLP_BIAS)
+            with_ = f" (with {', '.join(extra[:4])}{', ...' if len(extra) > 4 else ''})" if extra else ""
+            for reasons in gaps.values():
+                reasons.append(f"the head's layer is {kind}{with_}; its EAGLE code builds a Llama layer instead.")
+        pattern = self.layer_facts[1] if self.layer_facts else ("full", None)
+        if pattern[0] != "full":
+            for reasons in gaps.values():
+                reasons.append(
+                    f"the head's layer attends within a {pattern[0]} window of {pattern[1]} tokens; its EAGLE layer "
+                    f"attends to the whole context."
+                )
+        bias = tensors.get("fc.bias")
+        if bias is not None and bool(bias.abs().max() > 0):
+            gaps["vLLM"].append(
+                "its EAGLE fc has no bias and skips fc.bias, which is nonzero here; heads trained by `specfx train` "
+                "(and Eagle.random(fc_bias=False)) have none."
+            )
+        hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+        q_rows = tensors["layers.0.self_attn.q_proj.weight"].shape[0] if _LLAMA_WEIGHTS <= names else None
+        if hidden and heads and q_rows is not None and q_rows != hidden:
+            gaps["SafeAILab's EAGLE"].append(
+                f"it derives head_dim = hidden_size / num_attention_heads = {hidden // heads} and ignores head_dim "
+                f"({q_rows // heads} here)."
+            )
+        if "rope_scaling" in rope_keys(config) or config.get("rope_scaling"):
+            gaps["SafeAILab's EAGLE"].append(
+                "its config takes rope_scaling only as {'type': 'linear' | 'dynamic', 'factor': f}, and its layer "
+                "then uses base 10000, not rope_theta."
+            )
+        if names & _O_BIAS:
+            gaps["SafeAILab's EAGLE"].append("its o_proj has no bias (only q/k/v have, with qkv_bias).")
+        if names & _MLP_BIAS:
+            gaps["SafeAILab's EAGLE"].append("its MLP has no biases.")
+            gaps["SGLang"].append("its Llama MLP has no biases.")
+        if bool(names & _QKV_BIAS) != bool(names & _O_BIAS):
+            gaps["SGLang"].append(
+                "its Llama attention has biases on q, k, v and o together (attention_bias or bias) or on none, "
+                "and the head has them on " + ("q, k, v only." if names & _QKV_BIAS else "o only.")
+            )
+        if config.get("hidden_act", "silu") != "silu":
+            for engine in ("vLLM", "SGLang"):
+                gaps[engine].append(f"its Llama MLP supports hidden_act 'silu' only, not {config['hidden_act']!r}.")
+        return gaps
 
     # ----------------------------------------------------------------- binding
     def _bind(self, target: ModelRunner) -> None:
@@ -484,12 +629,8 @@ class Eagle(EagleBase):
             self.checkpoint = HeadCheckpoint(self.checkpoint.path, self.checkpoint.config, tensors)
         self._build(model)
         self.per_layer_rope = "layer_type" in inspect.signature(self.rotary.forward).parameters
-        layer_types = getattr(self.layer_config, "layer_types", None)
-        self.layer_type = layer_types[0] if layer_types else None
-        if self.layer_type is not None:
-            self.pattern = layer_pattern(self.layer_config, self.layer_type, owner)
-        else:
-            self.pattern = mask_plan(self.layer_config, owner).single
+        self.layer_type, self.pattern = _layer_type_and_pattern(self.layer_config, owner)
+        self.layer_facts = (type(self.layer).__name__, self.pattern)
         self.embed = model.get_input_embeddings()
         self.lm_head = model.get_output_embeddings()
         self.fc.to(device=target.device, dtype=target.dtype)

@@ -29,13 +29,19 @@ Which target layers (the taps). Three conventions are in use:
 * SpecForge and SGLang read ``eagle_config.eagle_aux_hidden_state_layer_ids``: id i is the
   *output* of layer i, i.e. the input of layer ``i + 1`` (SpecForge's default ``[1, L//2 - 1,
   L - 4]`` is the same three states as the others' defaults);
-* absent both: the inputs of layers ``2, L // 2, L - 3`` (SafeAILab's and vLLM's default).
+* absent both: the inputs of layers ``2, L // 2, L - 3`` (SafeAILab's, vLLM's and SGLang's
+  default; SafeAILab's code reads no key and always uses it).
 
-specfx reads the top-level key first, then the nested one (adding 1, as SpecForge, which
-writes that key, means it; SGLang's loader has also guessed the convention from the first id),
-then the default; it refuses ids that are out of range, repeated or not ascending (the
-concatenation order would be ambiguous). :meth:`Eagle3.save` writes the top-level key, in
-vLLM's convention; a nested key read from a checkpoint is kept as it was.
+specfx reads the top-level key first, then the nested one (adding 1, as SGLang and SpecForge,
+which write that key, mean it), then the default. The states are concatenated for ``fc`` in the
+order listed, repeats included: a target of fewer than 7 layers has a default that repeats a
+layer (L = 4: ``[2, 2, 1]``, L = 6: ``[2, 3, 3]``), which SpecForge's HF capture trains on as listed. ids that are out
+of range are refused, and so are distinct ids out of ascending order: engines that capture each
+layer once (SafeAILab, vLLM, SGLang) concatenate in layer order, SpecForge's HF capture in the
+order listed, so the order the head was trained in is unknown. :meth:`Eagle3.save` writes both
+keys, each in its reader's convention, so vLLM and SGLang read the same layers; taps that
+repeat, descend, or include the embeddings (id 0, SGLang) or the last layer's output (id L)
+cannot be captured by those engines and are saved with a warning (docs/HEADS.md).
 
 The head's layer is Llama-style whatever the target (Gemma, Mixtral, ...), sized by its own
 config.json, as every trainer builds it. Supported variant: vLLM's ``norm_before_residual``
@@ -76,8 +82,8 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 
 from ..cache import SlotCache
 from ..runner import ModelRunner
-from .eagle import EagleBase
-from .heads import HeadCheckpoint, check_tensors, read_head, write_head
+from .eagle import EagleBase, rope_keys
+from .heads import HeadCheckpoint, check_tensors, read_head, warn_engine_gaps, write_head
 
 logger = logging.getLogger(__name__)
 
@@ -162,9 +168,10 @@ class Eagle3Layer(nn.Module):
 # ------------------------------------------------------------------------------ the taps
 def resolve_taps(config: dict, num_layers: int, where: str = "the head's config.json") -> tuple[str, ...]:
     """The target hidden states an EAGLE-3 head with ``config`` reads from a target of
-    ``num_layers`` decoder layers, as :class:`~specfx.drafters.Drafter` tap names (``"layer:k"``:
-    the input of layer k; ``"last"``: the last layer's output, before the final norm). See the
-    module docstring for the three conventions; ValueError for ids that cannot be used."""
+    ``num_layers`` decoder layers, in the order ``fc`` concatenates them (repeats included), as
+    :class:`~specfx.drafters.Drafter` tap names (``"layer:k"``: the input of layer k; ``"last"``:
+    the last layer's output, before the final norm). See the module docstring for the three
+    conventions; ValueError for ids that cannot be used."""
     nested = config.get("eagle_config")
     if config.get("eagle_aux_hidden_state_layer_ids") is not None:
         ids, key, shift = config["eagle_aux_hidden_state_layer_ids"], "eagle_aux_hidden_state_layer_ids", 0
@@ -176,25 +183,48 @@ def resolve_taps(config: dict, num_layers: int, where: str = "the head's config.
         raise ValueError(f"{KIND}: {key} in {where} must be a list of layer ids (ints), got {ids!r}.")
     inputs = [i + shift for i in ids]  # the boundary index: HF's output_hidden_states[k]
     meaning = "the output of layer i (SpecForge/SGLang)" if shift else "the input of decoder layer k (vLLM)"
-    if key is None and (len(set(inputs)) != len(inputs) or min(inputs) < 0):
+    name = f"{key} = {list(ids)}" if key else f"the default taps (the inputs of layers 2, L // 2 and L - 3 = {inputs})"
+    if key is None and min(inputs) < 0:
         raise ValueError(
-            f"{KIND}: the target has {num_layers} decoder layers, too few for the default taps (the inputs of "
-            f"layers 2, L // 2 and L - 3 = {inputs} are not three distinct layers). Name the layers the head was "
+            f"{KIND}: the target has {num_layers} decoder layers, too few for {name}. Name the layers the head was "
             f'trained on in {where}: "eagle_aux_hidden_state_layer_ids": [k1, k2, k3] (k: {meaning}).'
         )
     if any(k < 0 or k > num_layers for k in inputs):
         raise ValueError(
-            f"{KIND}: {key} = {list(ids)} in {where} names target layers out of range; the target has "
+            f"{KIND}: {name} in {where} names target layers out of range; the target has "
             f"{num_layers} decoder layers (each id is {meaning}, so the ids must lie in "
             f"{0 - shift}..{num_layers - shift}). Was the head trained for another target?"
         )
-    if any(a >= b for a, b in zip(inputs, inputs[1:], strict=False)):
+    if len(set(inputs)) == len(inputs) and any(a >= b for a, b in zip(inputs, inputs[1:], strict=False)):
         raise ValueError(
-            f"{KIND}: {key} = {list(ids)} in {where} is not strictly ascending; trainers disagree on the order in "
-            f"which the states of unsorted ids are concatenated, so specfx does not guess. List them in the order "
-            f"the head was trained with, ascending."
+            f"{KIND}: {name} {'for this target' if key is None else 'in ' + where} lists distinct layers out of "
+            f"ascending order; engines that capture each layer once (SafeAILab, vLLM, SGLang) concatenate their "
+            f"states in layer order, SpecForge's HF capture in the order listed, so specfx cannot tell which order "
+            f'the head was trained with. Name them in {where} in that order: "eagle_aux_hidden_state_layer_ids": '
+            f"[k1, k2, k3] (k: {meaning}; ascending if trained by SafeAILab, vLLM or SGLang)."
         )
     return tuple("last" if k == num_layers else f"layer:{k}" for k in inputs)
+
+
+def _explicit_ids(config: dict) -> list[int] | None:
+    """The tap ids ``config`` names, in vLLM's convention (top-level key, else the nested key
+    plus 1), or None when it names none (the default)."""
+    nested = config.get("eagle_config") if isinstance(config.get("eagle_config"), dict) else {}
+    key = "eagle_aux_hidden_state_layer_ids"
+    for ids, shift in ((config.get(key), 0), (nested.get(key), 1)):
+        if isinstance(ids, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            return [i + shift for i in ids]
+        if ids is not None:
+            return None  # malformed: resolve_taps says so at bind
+    return None
+
+
+def _captured_once(ids: list[int], num_layers: int | None, first: int) -> list[int]:
+    """The boundaries an engine that captures, in one pass over the target's layers, the input
+    of every layer whose index is in ``ids`` (from layer ``first`` on) gets: each once, in layer
+    order, never the last layer's output (vLLM's and SGLang's capture)."""
+    last = num_layers if num_layers is not None else max(ids) + 1
+    return sorted({k for k in ids if first <= k < last})
 
 
 # ------------------------------------------------------------------------------ the head
@@ -397,6 +427,9 @@ class Eagle3(EagleBase):
         self.where = where
         self.embed_weight: torch.Tensor | None = None
         self.vocab_index: torch.Tensor | None = None
+        self.num_target_layers: int | None = None  # known after random() or binding
+        self.layer_ids: list[int] | None = None  # the taps in fc's order, vLLM's convention (after binding)
+        self.tap_order: list[int] | None = None  # fc's i-th state is features[tap_order[i]] (taps deduplicated)
 
     def __repr__(self) -> str:
         return f"Eagle3({self.where!r})"
@@ -427,7 +460,9 @@ class Eagle3(EagleBase):
         ``head_dim``; the key/value heads default to the target's when they divide the query
         heads, else to the query heads). The hidden size stays the target's: the head reads
         the target's token embeddings, and a narrower one would need its own table. All are
-        written to config.json, which vLLM, SGLang and SafeAILab read."""
+        written to config.json. vLLM and SGLang read ``head_dim`` there; SafeAILab's code derives
+        it as ``hidden_size / num_attention_heads`` and cannot load a head whose heads keep the
+        target's ``head_dim`` while there are fewer of them (saved with a warning)."""
         model = target.model if isinstance(target, ModelRunner) else target
         tc = model.config.get_text_config()
         vocab = model.get_output_embeddings().weight.shape[0]
@@ -460,7 +495,7 @@ class Eagle3(EagleBase):
             "head_dim": getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
             "hidden_act": "silu", "rms_norm_eps": float(getattr(tc, "rms_norm_eps", 1e-6)),
             "max_position_embeddings": getattr(tc, "max_position_embeddings", 2048),
-            **_rope_keys(tc), "vocab_size": vocab, "draft_vocab_size": vd, "tie_word_embeddings": False,
+            **rope_keys(tc), "vocab_size": vocab, "draft_vocab_size": vd, "tie_word_embeddings": False,
             "eagle_aux_hidden_state_layer_ids": ids,
         }  # fmt: skip
         resolve_taps(config, layers, "Eagle3.random(layer_ids=...)")
@@ -477,13 +512,18 @@ class Eagle3(EagleBase):
             head.t2d[chosen] = True
         drafter = cls.__new__(cls)
         drafter._init(head, None, f"Eagle3.random(seed={seed})")
+        drafter.num_target_layers = layers
         return drafter
 
     def save(self, path: str | Path) -> Path:
         """Write the head to directory ``path`` (``config.json`` and ``model.safetensors``) in the
-        layout :class:`Eagle3` (``draft="eagle3:DIR"``), SafeAILab's EAGLE, SpecForge and vLLM
-        read. The config names the tapped layers (``eagle_aux_hidden_state_layer_ids``, vLLM's
-        convention) when they are known (given, or resolved by binding to a target)."""
+        layout :class:`Eagle3` (``draft="eagle3:DIR"``), SafeAILab's EAGLE, SpecForge, vLLM and
+        SGLang read (docs/HEADS.md). The tapped layers, when known (given, or resolved by binding
+        to a target), are written twice, so vLLM and SGLang read the same ones: at the top
+        (``eagle_aux_hidden_state_layer_ids``, vLLM's convention: layer inputs) and in
+        ``eagle_config`` (SGLang's and SpecForge's: layer outputs, each id one less). A head some
+        engine would not run as specfx does is saved with a
+        :class:`~specfx.models.heads.HeadLayoutWarning` naming it (:meth:`engine_gaps`)."""
         head = self.head
         config = dict(
             head.config, num_hidden_layers=1, draft_vocab_size=head.draft_vocab_size, vocab_size=head.vocab_size
@@ -492,16 +532,77 @@ class Eagle3(EagleBase):
             config["target_hidden_size"] = head.target_hidden_size
         else:  # SafeAILab loads the target's embedding only when target_hidden_size is absent
             config.pop("target_hidden_size", None)
-        layer_ids = getattr(self, "layer_ids", None)
-        if layer_ids is not None:
-            config["eagle_aux_hidden_state_layer_ids"] = list(layer_ids)
+        ids = self.layer_ids if self.layer_ids is not None else _explicit_ids(config)
+        if ids is not None:
+            config["eagle_aux_hidden_state_layer_ids"] = list(ids)
+            nested = config.get("eagle_config") if isinstance(config.get("eagle_config"), dict) else {}
+            config["eagle_config"] = {**nested, "eagle_aux_hidden_state_layer_ids": [k - 1 for k in ids]}
         tensors = head.tensors()
         if head.embed_tokens is not None:
             tensors["embed_tokens.weight"] = head.embed_tokens.weight
         elif self.own_embedding is not None:
             tensors["embed_tokens.weight"] = self.own_embedding
         config["torch_dtype"] = str(head.fc.weight.dtype).removeprefix("torch.")
+        warn_engine_gaps(KIND, path, self.engine_gaps())
         return write_head(path, config, tensors)
+
+    def engine_gaps(self) -> dict[str, list[str]]:
+        """Why each engine (``"SafeAILab's EAGLE"``, ``"vLLM"``, ``"SGLang"``) would not draft
+        with this head, saved by :meth:`save`, what specfx drafts: engine -> reasons (empty
+        lists where it would). The rules are in docs/HEADS.md; the taps are checked against the
+        target's depth once it is known (after :meth:`random` or binding)."""
+        head, config = self.head, self.head.config
+        llama = head.llama
+        gaps: dict[str, list[str]] = {"SafeAILab's EAGLE": [], "vLLM": [], "SGLang": []}
+        L = self.num_target_layers
+        ids = self.layer_ids if self.layer_ids is not None else _explicit_ids(config)
+        listed = ids if ids is not None else ([2, L // 2, L - 3] if L is not None else None)
+        if listed is not None:
+            for engine, first in (("vLLM", 0), ("SGLang", 1)):
+                got = _captured_once(listed, L, first)
+                if got != list(listed):
+                    why = ""
+                    if engine == "SGLang" and 0 in listed:
+                        why = "id 0 (the embeddings) cannot be captured: its layer-0 capture adds a missing residual; "
+                    gaps[engine].append(
+                        f"{why}it captures the input of each listed layer once, in layer order, and never the last "
+                        f"layer's output, so it would feed fc the states of layers {got} instead of {list(listed)} "
+                        f"(top-level eagle_aux_hidden_state_layer_ids, vLLM's convention)."
+                    )
+        if listed is not None:
+            depth = L if L is not None else listed[-1] + 3  # target unknown: the one depth whose default it could be
+            fixed = _captured_once([2, depth // 2, depth - 3], depth, 0)
+            if fixed != list(listed):
+                which = f"{fixed} for this {L}-layer target" if L is not None else "for no target depth"
+                gaps["SafeAILab's EAGLE"].append(
+                    f"it reads no tap ids and always feeds fc the inputs of layers 2, L // 2, L - 3, each once in "
+                    f"layer order; those are not {list(listed)} ({which})."
+                )
+        h, heads, d = llama.hidden_size, llama.num_attention_heads, llama.head_dim
+        if d * heads != h:
+            gaps["SafeAILab's EAGLE"].append(
+                f"it derives head_dim = hidden_size / num_attention_heads = {h // heads} and ignores head_dim ({d} "
+                f"here), so its q_proj is [{h}, {2 * h}] where this head's is [{heads * d}, {2 * h}]: it cannot load "
+                f"this head (train without --num-attention-heads to serve it there)."
+            )
+        if "rope_scaling" in rope_keys(config) or config.get("rope_scaling"):
+            gaps["SafeAILab's EAGLE"].append(
+                "its config takes rope_scaling only as {'type': 'linear' | 'dynamic', 'factor': f}, and its layer "
+                "then uses base 10000, not rope_theta."
+            )
+        if config.get("norm_before_residual"):
+            for engine in ("SafeAILab's EAGLE", "SGLang"):
+                gaps[engine].append("it ignores norm_before_residual (its residual starts at the unnormed feature).")
+        if getattr(llama, "attention_bias", False):
+            gaps["SafeAILab's EAGLE"].append("its attention has no biases (load_state_dict(strict=False) drops them).")
+            gaps["SGLang"].append("its EAGLE-3 q/k/v projection has no bias.")
+        if getattr(llama, "mlp_bias", False):
+            gaps["SafeAILab's EAGLE"].append("its MLP has no biases.")
+            gaps["SGLang"].append("its Llama MLP has no biases.")
+        if llama.hidden_act != "silu":
+            for engine in ("vLLM", "SGLang"):
+                gaps[engine].append(f"its Llama MLP supports hidden_act 'silu' only, not {llama.hidden_act!r}.")
+        return gaps
 
     # ----------------------------------------------------------------- binding
     def _bind(self, target: ModelRunner) -> None:
@@ -526,8 +627,10 @@ class Eagle3(EagleBase):
                 f"{owner}: its fc takes {head.num_taps} target hidden states but its config names {len(taps)} layers "
                 f"(eagle_aux_hidden_state_layer_ids); the checkpoint is inconsistent."
             )
-        self.taps = taps
+        self.taps = tuple(dict.fromkeys(taps))  # the target returns each tapped state once
+        self.tap_order = [self.taps.index(t) for t in taps]
         self.layer_ids = [target.num_layers if t == "last" else int(t[6:]) for t in taps]
+        self.num_target_layers = target.num_layers
         table = model.get_input_embeddings().weight  # [V, H_target], shared
         own = head.embed_tokens.weight.detach() if head.embed_tokens is not None else self.own_embedding
         if (
@@ -578,7 +681,8 @@ class Eagle3(EagleBase):
     # ----------------------------------------------------------------- the head
     def _feature(self, features):
         fc = self.head.fc
-        return fc(torch.cat(features, dim=-1).to(fc.weight.dtype))  # [B, T, 3 H_target] -> [B, T, H]
+        states = [features[i] for i in self.tap_order]  # fc's order, repeats included
+        return fc(torch.cat(states, dim=-1).to(fc.weight.dtype))  # [B, T, 3 H_target] -> [B, T, H]
 
     def _entry(self, ids, feature, positions, slots, tree):
         head = self.head
@@ -594,19 +698,6 @@ class Eagle3(EagleBase):
             return logits
         # onto the target's vocabulary: ids outside the draft vocabulary get -inf (q = 0 there)
         return F.pad(logits, (0, 1), value=float("-inf")).index_select(-1, self.vocab_index)  # [B, T, V]
-
-
-def _rope_keys(config) -> dict:
-    """A target config's rotary settings as a head config.json writes them (``rope_theta``
-    and, for scaled rotary, ``rope_scaling``: the keys every EAGLE-3 loader reads)."""
-    params = dict(getattr(config, "rope_parameters", None) or {})
-    if "rope_type" not in params and "rope_theta" not in params and params:  # per layer type (Gemma 3)
-        params = dict(params.get("full_attention") or next(iter(params.values())))
-    theta = params.pop("rope_theta", None) or getattr(config, "rope_theta", None) or 10000.0
-    keys = {"rope_theta": float(theta)}
-    if params.get("rope_type", "default") != "default":
-        keys["rope_scaling"] = params
-    return keys
 
 
 def from_name(arg: str | None) -> Eagle3:

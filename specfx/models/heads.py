@@ -6,18 +6,25 @@ merged. Pickle files (``.bin``, ``.pt``, ...) are never loaded: their loading ca
 code, so a directory that has only those is refused with the one-line conversion to run where
 the file is trusted. Nothing here knows a head type: each head module checks the tensors it
 needs (:func:`check_tensors`) against the target's sizes.
+
+Heads are saved for the engines users serve them with (SafeAILab's EAGLE code, vLLM, SGLang,
+FasterDecoding's Medusa; what each reads is in docs/HEADS.md). A head that some engine would load
+but not run as specfx runs it (a layer it cannot build, taps it cannot capture, a tensor it
+drops) is still saved, with one :class:`HeadLayoutWarning` naming each such engine and why
+(:func:`warn_engine_gaps`).
 """
 
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import torch
 
 from .local import PICKLE_SUFFIXES
 
-__all__ = ["HeadCheckpoint", "check_tensors", "read_head", "write_head"]
+__all__ = ["HeadCheckpoint", "HeadLayoutWarning", "check_tensors", "read_head", "warn_engine_gaps", "write_head"]
 
 
 def _convert_hint(pickles: list[Path]) -> str:
@@ -123,3 +130,27 @@ def check_tensors(ckpt: HeadCheckpoint, kind: str, expected: dict[str, tuple[int
                 f"{kind} checkpoint {str(ckpt.path)!r}: {name} has shape {list(got)}, expected {list(shape)}{reason}; "
                 f"the head was trained for another target."
             )
+
+
+class HeadLayoutWarning(UserWarning):
+    """A head was saved in a layout some serving engine reads, but that engine would not draft
+    with it what specfx drafts (the message names the engine, the reason and the fix)."""
+
+
+def warn_engine_gaps(kind: str, path: str | Path, gaps: dict[str, list[str]]) -> None:
+    """One :class:`HeadLayoutWarning` for the head of type ``kind`` saved at ``path``, listing
+    for each engine in ``gaps`` (engine name -> reasons) why it cannot run the head as saved;
+    nothing when every list is empty."""
+    gaps = {engine: reasons for engine, reasons in gaps.items() if reasons}
+    if not gaps:
+        return
+    lines = "\n".join(f"  - {engine}: {' '.join(reasons)}" for engine, reasons in gaps.items())
+    names = list(gaps)
+    engines = ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
+    warnings.warn(
+        f"{kind} head saved to {str(path)!r}, but {engines} would not draft with it what specfx "
+        f"drafts:\n{lines}\nspecfx loads it as saved; serve it elsewhere only where no reason above applies "
+        f"(docs/HEADS.md lists what each engine reads).",
+        HeadLayoutWarning,
+        stacklevel=3,
+    )

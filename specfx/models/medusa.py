@@ -19,8 +19,10 @@ Checkpoints, safetensors only (loaded with :func:`specfx.models.heads.read_head`
   or one ``lm_heads.0.weight`` shared by every head with ``original_lm_head``; an optional
   ``medusa_heads.`` prefix is dropped, as vLLM's loader drops it.
 
-:meth:`Medusa.save` writes either layout back. Counts missing from ``config.json`` are inferred
-from the tensor names; a config that contradicts the tensors is refused.
+:meth:`Medusa.save` writes either layout back (``layout="vllm"`` by default; no engine reads
+both: vLLM's loader knows only its own names and skips the others, FasterDecoding's only its
+own). Counts missing from ``config.json`` are inferred from the tensor names; a config that
+contradicts the tensors is refused. What each engine reads: docs/HEADS.md.
 
 The round: :meth:`Medusa.observe` keeps, per row, the target's final hidden state at the new
 pending position minus one (a static ``[B, H]`` stash); :meth:`Medusa.propose` runs the first K
@@ -44,7 +46,7 @@ from ..drafters import Drafter, stash_at
 from ..graph_utils import mark_static
 from ..runner import ModelRunner
 from ..tree_round import draft_tree
-from .heads import HeadCheckpoint, check_tensors, read_head, write_head
+from .heads import HeadCheckpoint, check_tensors, read_head, warn_engine_gaps, write_head
 
 __all__ = ["Medusa", "from_name"]
 
@@ -190,11 +192,21 @@ class Medusa(Drafter):
         )
 
     # ----------------------------------------------------------------- checkpoints
-    def save(self, path: str | Path, layout: str = "medusa") -> Path:
-        """Write the heads to directory ``path`` in a public layout: ``"medusa"``
-        (FasterDecoding's ``medusa_lm_head.safetensors`` + ``config.json``; heads without
-        biases get zero biases, which compute the same) or ``"vllm"`` (vLLM's converted layout,
-        ``model.safetensors`` + ``config.json``). Returns the directory."""
+    def save(self, path: str | Path, layout: str = "vllm", *, base_model_name_or_path: str | None = None) -> Path:
+        """Write the heads to directory ``path`` in a public layout and return it (docs/HEADS.md):
+
+        * ``"vllm"`` (default): vLLM's converted layout, ``model.safetensors`` (``blocks.{i}.layers.{j}``,
+          ``lm_heads.{i}``) and a ``config.json`` with ``model_type: "medusa"``, which vLLM's
+          Medusa loader reads (it skips tensors of any other name);
+        * ``"medusa"``: FasterDecoding's, ``medusa_lm_head.safetensors`` (``{i}.{j}.linear``,
+          ``{i}.{num_layers}``; FasterDecoding's loader reads the same tensors as
+          ``medusa_lm_head.pt``) and a ``config.json`` with ``medusa_num_heads``,
+          ``medusa_num_layers`` and ``base_model_name_or_path``, which FasterDecoding's loader
+          needs to find the target: ``base_model_name_or_path`` if given, else the bound
+          target's ``name_or_path``. Heads without biases get zero biases (same computation).
+
+        A head some engine of its layout would not run as specfx does is saved with a
+        :class:`~specfx.models.heads.HeadLayoutWarning` (:meth:`engine_gaps`)."""
         if layout not in LAYOUTS:
             raise ValueError(f"Medusa.save(layout={layout!r}): the layouts are {', '.join(map(repr, LAYOUTS))}.")
         n, m, h, v = self.num_heads, self.num_layers, self.hidden_size, self.vocab_size
@@ -203,12 +215,16 @@ class Medusa(Drafter):
         tensors: dict[str, torch.Tensor] = {}
         # every entry its own storage: safetensors refuses tensors that share memory
         if layout == "medusa":
+            base = base_model_name_or_path or self._target_name()
             for i in range(n):
                 for j in range(m):
                     tensors[f"{i}.{j}.linear.weight"] = weight[i, j].clone()
                     tensors[f"{i}.{j}.linear.bias"] = bias[i, j].clone() if bias is not None else weight.new_zeros(h)
                 tensors[f"{i}.{m}.weight"] = lm[0 if self.shared_lm_head else i].clone()
             config = {"medusa_num_heads": n, "medusa_num_layers": m, "hidden_size": h, "vocab_size": v}
+            if base:
+                config["base_model_name_or_path"] = base
+            warn_engine_gaps(KIND, path, self.engine_gaps(layout, base))
             return write_head(path, config, tensors, filename=MEDUSA_FILE)
         for i in range(n):
             for j in range(m):
@@ -228,7 +244,49 @@ class Medusa(Drafter):
             "medusa_fc_bias": bias is not None,
             "original_lm_head": self.shared_lm_head,
         }
+        warn_engine_gaps(KIND, path, self.engine_gaps(layout))
         return write_head(path, config, tensors, filename=VLLM_FILE)
+
+    def _target_name(self) -> str | None:
+        model = getattr(self.target, "model", None) if self.target is not None else None
+        return getattr(model, "name_or_path", None) or None
+
+    def engine_gaps(self, layout: str = "vllm", base_model_name_or_path: str | None = None) -> dict[str, list[str]]:
+        """Why the engine reading ``layout`` would not draft with these heads, saved by
+        :meth:`save`, what specfx drafts: engine -> reasons (empty where it would). vLLM runs
+        every head its layout holds; FasterDecoding's ``MedusaModel`` builds 5 heads (whatever
+        ``medusa_num_heads`` says), each head's residual blocks as one block repeated
+        (``[ResBlock(h)] * medusa_num_layers``, so its loader gives every block the last one's
+        weights), and loads the target from ``base_model_name_or_path`` (an unset one defaults
+        to lmsys/vicuna-7b-v1.3)."""
+        if layout == "vllm":
+            return {"vLLM": []}
+        reasons = []
+        if self.num_heads != 5:
+            reasons.append(
+                f"its loader builds 5 heads whatever medusa_num_heads says, so with these {self.num_heads} "
+                + ("the 5th keeps a random init and drafts garbage where its tree reaches depth 5." if self.num_heads < 5
+                   else f"it ignores heads 5 to {self.num_heads - 1}.")  # fmt: skip
+            )
+        if self.num_layers > 1:
+            w = self.weight.detach()
+            b = self.bias.detach() if self.bias is not None else None
+            same = all(
+                torch.equal(w[:, j], w[:, -1]) and (b is None or torch.equal(b[:, j], b[:, -1]))
+                for j in range(self.num_layers)
+            )
+            if not same:
+                reasons.append(
+                    f"its MedusaModel builds each head's {self.num_layers} residual blocks as one ResBlock repeated, "
+                    f"so it would run the last block's weights {self.num_layers} times; save one block per head "
+                    f"(--medusa-layers 1) or use layout='vllm'."
+                )
+        if not (base_model_name_or_path or self._target_name()):
+            reasons.append(
+                "config.json has no base_model_name_or_path (the target this head drafts for), so its loader would "
+                "load lmsys/vicuna-7b-v1.3; pass save(..., base_model_name_or_path=...) or bind the heads first."
+            )
+        return {"FasterDecoding's Medusa": reasons}
 
     # ----------------------------------------------------------------- the Drafter
     def bind(self, target: ModelRunner) -> None:

@@ -21,7 +21,9 @@ Steps, each deterministic for a given ``--seed``:
    optimizer moments go to ``OUT/ckpt/state.safetensors`` with ``OUT/ckpt/meta.json`` (nothing
    is pickled); ``--resume`` continues from there exactly (same batches, same moments; the
    learning-rate schedule is the one for ``--steps``, so stop a run early with ``--stop-after``).
-5. **Output**: ``OUT/head/`` in the head's public layout (its ``save()``), loadable with
+5. **Output**: ``OUT/head/`` in the head's public layout (its ``save()``: what SafeAILab's
+   EAGLE, vLLM and SGLang read; Medusa in vLLM's layout or, ``--medusa-layout medusa``,
+   FasterDecoding's; docs/HEADS.md), loadable with
    ``specfx.Medusa/Eagle/Eagle3(OUT/head)`` or ``draft="eagle3:OUT/head"``; ``OUT/eval.json``
    with held-out greedy τ and acceptance per depth at K = 2, 4, 8 and for a tree, measured by
    specfx itself.
@@ -39,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from ..models.medusa import LAYOUTS as MEDUSA_LAYOUTS
 from ..models.train_pair import load_checkpoint as pair_load
 from ..models.train_pair import save_checkpoint as pair_save
 from .cache import FeatureCache
@@ -69,6 +72,7 @@ class TrainConfig:
     ckpt_every: int = 50
     medusa_heads: int = 4
     medusa_layers: int = 1
+    medusa_layout: str = "vllm"
     draft_vocab_size: int | None = None
     intermediate_size: int | None = None
     num_attention_heads: int | None = None
@@ -91,6 +95,11 @@ class TrainConfig:
         for name in ("steps", "batch_size", "ckpt_every", "medusa_heads", "ttt_steps", "eval_batches", "draft_layers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}.")
+        if self.medusa_layout not in MEDUSA_LAYOUTS:
+            raise ValueError(
+                f"--medusa-layout {self.medusa_layout!r}: choose {' or '.join(MEDUSA_LAYOUTS)} (docs/HEADS.md: vllm for "
+                f"vLLM, medusa for FasterDecoding's Medusa)."
+            )
         if self.seq_len < 4:
             raise ValueError(f"--seq-len must be >= 4, got {self.seq_len}.")
         if not self.lr > 0:
@@ -131,6 +140,7 @@ FREE = (
     "eval_prompt_len",
     "eval_new_tokens",
     "eval_ks",
+    "medusa_layout",
 )
 
 
@@ -145,7 +155,8 @@ def build_head(cfg: TrainConfig, runner, stream, tokenizer) -> TrainHead:
     if cfg.head == "draft":
         return DraftTrain(runner, cfg.init, cfg.seed, cfg.draft_layers, cfg.draft_hidden, tokenizer)
     if cfg.head == "medusa":
-        return MedusaTrain(runner, cfg.init, cfg.medusa_heads, cfg.medusa_layers, cfg.seed)
+        base = str(Path(cfg.target).expanduser().resolve())  # FasterDecoding's loader finds the target there
+        return MedusaTrain(runner, cfg.init, cfg.medusa_heads, cfg.medusa_layers, cfg.seed, cfg.medusa_layout, base)
     if cfg.head == "eagle":
         return EagleTrain(runner, cfg.init, cfg.seed, cfg.feature_noise)
     sizes = {n: getattr(cfg, n) for n in LAYER_SIZES if getattr(cfg, n) is not None}
@@ -397,6 +408,13 @@ def parser() -> argparse.ArgumentParser:
         default=defaults.feature_noise,
         help="EAGLE: half-width of the uniform noise added to the target features the head reads\n"
         "(the method's augmentation; 0 turns it off; default 0.1)",
+    )
+    p.add_argument(
+        "--medusa-layout",
+        choices=MEDUSA_LAYOUTS,
+        default=defaults.medusa_layout,
+        help="--head medusa: the tensor names and config.json written: vllm (vLLM's Medusa loader, the default) or "
+        "medusa (FasterDecoding's names, medusa_lm_head.safetensors); no engine reads both (docs/HEADS.md)",
     )
     p.add_argument("--eval-ks", type=int, nargs="+", default=[2, 4, 8], help="chain lengths K evaluated at the end")
     p.add_argument(

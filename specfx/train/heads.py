@@ -84,7 +84,9 @@ class _Params(nn.Module):
 class MedusaTrain(TrainHead):
     kind = "medusa"
 
-    def __init__(self, runner: ModelRunner, init: str | None, num_heads: int, num_layers: int, seed: int):
+    def __init__(self, runner: ModelRunner, init: str | None, num_heads: int, num_layers: int, seed: int,
+                 layout: str = "vllm", base_model: str | None = None):  # fmt: skip
+        self.layout, self.base_model = layout, base_model  # how save() writes it (Medusa.save)
         model = runner.model
         if init is not None:
             heads = Medusa(init)
@@ -121,7 +123,8 @@ class MedusaTrain(TrainHead):
 
     def save(self, path):
         p = self.module
-        return Medusa.from_weights(p.weight.detach(), p.bias.detach(), p.lm_head.detach()).save(path)
+        heads = Medusa.from_weights(p.weight.detach(), p.bias.detach(), p.lm_head.detach())
+        return heads.save(path, self.layout, base_model_name_or_path=self.base_model)
 
 
 class _EagleCommon(TrainHead):
@@ -138,7 +141,8 @@ class EagleTrain(_EagleCommon):
     kind = "eagle"
 
     def __init__(self, runner: ModelRunner, init: str | None, seed: int, noise: float = 0.0):
-        head = Eagle(init) if init is not None else Eagle.random(runner.model, seed=seed)
+        # from scratch without an fc bias: vLLM's EAGLE fc has none (docs/HEADS.md)
+        head = Eagle(init) if init is not None else Eagle.random(runner.model, seed=seed, fc_bias=False)
         self.seed, self.noise = seed, noise
         head.bind(runner)
         head.fc.train()
@@ -225,8 +229,9 @@ class Eagle3Train(_EagleCommon):
             vocab = runner.vocab_size
             size = min(vocab, draft_vocab_size or 32000)
             layers = runner.num_layers
-            # vLLM's default taps (inputs of layers 2, L//2, L-3) need L >= 6; fewer: the last three boundaries
-            ids = None if layers >= 6 else [max(0, layers - 3) + i for i in range(3)]
+            # the default taps (inputs of layers 2, L//2, L-3) repeat a layer below 7 layers, which vLLM, SGLang
+            # and SafeAILab capture only once: there, three distinct boundaries (the last three) instead
+            ids = None if layers >= 7 else [max(0, layers - 3) + i for i in range(3)]
             head = Eagle3.random(model, draft_vocab_size=size, seed=seed, layer_ids=ids, **(sizes or {}))
             chosen = draft_vocabulary(stream, vocab, size)
             with torch.no_grad():
@@ -245,7 +250,7 @@ class Eagle3Train(_EagleCommon):
         first k entries have no draft path and are not scored)."""
         h = self.drafter.head
         tokens, pos = self.entry_inputs(ids)
-        fused = h.fc(torch.cat(features, dim=-1).to(h.fc.weight.dtype))  # [B, T, H]
+        fused = self.drafter._feature(features)  # [B, T, H]: fc over the taps in the head's order
         emb = F.embedding(tokens, self.drafter.embed_weight.detach()).to(fused.dtype)  # [B, T-1, H], raw lookup
         rope = h.rotary_emb(fused, pos)
         kv, feature, n = _StepKV(), fused[:, :-1], pos.shape[1]

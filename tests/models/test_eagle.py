@@ -9,6 +9,7 @@ the layout. A head built to compute what a one-layer target computes is accepted
 """
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from transformers import LogitsProcessorList
 
 import specfx
 from specfx.models.eagle import Eagle
-from specfx.models.heads import write_head
+from specfx.models.heads import HeadLayoutWarning, write_head
 from specfx.models.tiny import tiny_causal_lm
 from specfx.tree import TokenTree
 from tests.conftest import active_rounds, left_padded, prompt
@@ -38,7 +39,9 @@ def target_and_head(arch: str, tmp_path_factory, vocab: int = 128, **kw):
     if key not in _targets:
         target = tiny_causal_lm(arch, vocab_size=vocab, **kw)
         directory = tmp_path_factory.mktemp(f"eagle-{arch}")
-        Eagle.random(target, seed=1).save(directory)
+        with warnings.catch_warnings():  # heads of non-Llama layers: the engines build a Llama layer (checked elsewhere)
+            warnings.simplefilter("ignore", HeadLayoutWarning)
+            Eagle.random(target, seed=1).save(directory)
         _targets[key] = (target, directory)
     return _targets[key]
 
@@ -76,7 +79,7 @@ class _Reference:
         tensors = load_file(str(directory / "model.safetensors"))
         config = json.loads((directory / "config.json").read_text())
         h = target.config.hidden_size
-        self.fc = nn.Linear(2 * h, h, bias=config["bias"])
+        self.fc = nn.Linear(2 * h, h, bias=config.get("bias", True))  # SafeAILab's default: a bias
         self.fc.load_state_dict({k[3:]: v for k, v in tensors.items() if k.startswith("fc.")})
         layer_config = layer_config or target.config
         self.layer = (layer_class or type(target.model.layers[0]))(layer_config, 0)
@@ -220,7 +223,7 @@ def test_a_dense_head_on_a_moe_target_is_safeailabs_llama_layer(tmp_path, one_th
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     target = tiny_causal_lm("mixtral", vocab_size=8, eos_token_id=None)
-    dense = Eagle.random(tiny_causal_lm("llama", vocab_size=8), seed=3).state_dict()  # same sizes as tiny mixtral
+    dense = Eagle.random(tiny_causal_lm("llama", vocab_size=8), seed=3, fc_bias=True).state_dict()  # tiny mixtral's sizes
     write_head(tmp_path, {"hidden_size": 64, "vocab_size": 8, "num_hidden_layers": 1, "bias": True}, dense)
     c = target.config
     config = LlamaConfig(hidden_size=64, intermediate_size=c.intermediate_size, num_attention_heads=c.num_attention_heads,
@@ -279,10 +282,14 @@ def test_sampling_matches_exact_distribution(mode, tmp_path_factory, one_thread)
 # ------------------------------------------------------------------ the layout
 def test_save_and_load_round_trip(tmp_path, one_thread):
     target = tiny_causal_lm("qwen2")
-    head = Eagle.random(target, seed=5)
-    head.save(tmp_path / "a")
+    head = Eagle.random(target, seed=5, fc_bias=True)  # SafeAILab's shape: a bias on fc
+    with pytest.warns(HeadLayoutWarning) as warned:  # vLLM drops a nonzero fc bias; SGLang q/k/v-only biases
+        head.save(tmp_path / "a")
+    assert "vLLM: its EAGLE fc has no bias" in str(warned[0].message) and "SGLang:" in str(warned[0].message)
     config = json.loads((tmp_path / "a" / "config.json").read_text())
-    assert config["bias"] is True and config["num_hidden_layers"] == 1 and config["hidden_size"] == 64
+    assert config["num_hidden_layers"] == 1 and config["hidden_size"] == 64 and config["qkv_bias"] is True
+    assert "bias" not in config  # vLLM and SGLang would read it as attention biases
+    assert config["architectures"] == ["LlamaForCausalLMEagle", "LlamaForCausalLM"]  # a Llama layer with q/k/v biases
     names = set(load_file(str(tmp_path / "a" / "model.safetensors")))
     assert {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.bias", "layers.0.mlp.down_proj.weight"} <= names
     assert not any("input_layernorm" in n or n.startswith(("embed_tokens", "lm_head")) for n in names)
@@ -292,7 +299,8 @@ def test_save_and_load_round_trip(tmp_path, one_thread):
     spec = specfx.speculate(target, draft=loaded, num_speculative_tokens=2, compile=False)
     assert spec.drafter.embed is target.get_input_embeddings()  # shared, not copied
     assert spec.drafter.lm_head is target.get_output_embeddings()
-    loaded.save(tmp_path / "b")  # from the built modules
+    with pytest.warns(HeadLayoutWarning):
+        loaded.save(tmp_path / "b")  # from the built modules
     again = load_file(str(tmp_path / "b" / "model.safetensors"))
     assert again.keys() == names and all(torch.equal(again[k], head.state_dict()[k]) for k in names)
 

@@ -45,6 +45,9 @@ TREE = TokenTree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
 DYNAMIC = TokenTree.eagle2(budget=8, depth=3, branching=3)  # EAGLE-2: grown per row and round
 SHAPES = {"chain": dict(num_speculative_tokens=3), "tree": dict(tree=TREE), "dynamic": dict(tree=DYNAMIC)}
 
+# the engines' rules on these heads (SafeAILab reads no tap ids) are checked in test_head_engines.py
+pytestmark = pytest.mark.filterwarnings("ignore::specfx.models.heads.HeadLayoutWarning")
+
 _targets: dict = {}
 
 
@@ -373,6 +376,7 @@ def test_save_round_trip_and_vllm_naming(head_dir, tmp_path, one_thread):
     path = head_dir("llama")
     cfg, tensors = _read(path)
     assert cfg["eagle_aux_hidden_state_layer_ids"] == TAPS and cfg["draft_vocab_size"] == DRAFT_VOCAB
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [k - 1 for k in TAPS]  # SGLang's convention
     assert cfg["vocab_size"] == 128 and "target_hidden_size" not in cfg  # SafeAILab then shares the target's embedding
     assert "embed_tokens.weight" not in tensors and tensors["t2d"].sum() == DRAFT_VOCAB
     assert tuple(tensors["fc.weight"].shape) == (64, 3 * 64) and tensors["d2t"].dtype == torch.int64
@@ -415,6 +419,29 @@ def test_tap_conventions():
     assert resolve_taps({"eagle_aux_hidden_state_layer_ids": [2, 16, 32]}, layers)[-1] == "last"
     assert resolve_taps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 15, 31]}}, layers)[-1] == "last"
     assert resolve_taps({}, 7) == ("layer:2", "layer:3", "layer:4")
+
+
+def test_default_taps_repeat_below_seven_layers_and_run_as_listed(tmp_path, one_thread):
+    """The default taps 2, L // 2, L - 3 repeat a layer below 7 target layers (L = 4: [2, 2, 1],
+    L = 5: [2, 2, 2], L = 6: [2, 3, 3]; SpecForge's default [1, L//2 - 1, L - 4] is the same states). SpecForge's
+    HF capture concatenates them as listed, repeats included, and so does specfx: greedy output
+    equals generate() and every proposal equals the reference's, which reads the listed states."""
+    assert resolve_taps({}, 4) == ("layer:2", "layer:2", "layer:1")
+    assert resolve_taps({}, 5) == ("layer:2",) * 3
+    assert resolve_taps({}, 6) == ("layer:2", "layer:3", "layer:3")
+    assert resolve_taps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 1, 0]}}, 4) == resolve_taps({}, 4)
+    with pytest.raises(ValueError, match=r"default taps .* \[2, 1, 0\]\) for this target lists distinct layers out of"):
+        resolve_taps({}, 3)  # layer order (SafeAILab, vLLM, SGLang) or as listed (SpecForge)? refused, not guessed
+    with pytest.raises(ValueError, match=r"the target has 2 decoder layers, too few for the default taps"):
+        resolve_taps({}, 2)
+    target = _target("llama")  # 4 layers
+    Eagle3.random(target, draft_vocab_size=DRAFT_VOCAB, seed=4).save(tmp_path)  # no layer_ids: the default
+    cfg, _ = _read(tmp_path)
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 2, 1]
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 1, 0]
+    spec = specfx.speculate(target, draft=Eagle3(tmp_path), num_speculative_tokens=2, compile=False)
+    assert spec.drafter.taps == ("layer:2", "layer:1")  # the target returns each state once
+    _assert_proposals_equal_reference(target, tmp_path, "chain")
 
 
 def test_a_head_with_its_own_hidden_size_brings_its_own_embedding(tmp_path, one_thread):
@@ -518,8 +545,7 @@ BAD_FOR_TARGET = {
     "layer ids out of range": (dict(config={"eagle_aux_hidden_state_layer_ids": [1, 2, 9]}), r"\[1, 2, 9\] .* out of range; the target has 4 decoder layers"),
     "nested ids out of range": (dict(config={"eagle_aux_hidden_state_layer_ids": None, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 4]}}),
                                 r"eagle_config.eagle_aux_hidden_state_layer_ids = \[0, 1, 4\] .* out of range"),
-    "unsorted layer ids": (dict(config={"eagle_aux_hidden_state_layer_ids": [3, 1, 2]}), r"is not strictly ascending"),
-    "too few layers for the default": (dict(config={"eagle_aux_hidden_state_layer_ids": None}), r"the target has 4 decoder layers, too few for the default taps"),
+    "unsorted layer ids": (dict(config={"eagle_aux_hidden_state_layer_ids": [3, 1, 2]}), r"lists distinct layers out of ascending order"),
     "two ids for three taps": (dict(config={"eagle_aux_hidden_state_layer_ids": [1, 3]}), r"its fc takes 3 target hidden states but its config names 2 layers"),
 }  # fmt: skip
 

@@ -47,6 +47,9 @@ NEW_TOKENS = 30
 FITTED = 16  # continuation tokens (per sequence) the fitted heads are fitted on
 NO_EOS = dict(do_sample=False, eos_token_id=None)  # some tiny models emit EOS at once: rounds must run
 
+# what the engines make of these heads is checked in test_head_engines.py
+pytestmark = pytest.mark.filterwarnings("ignore::specfx.models.heads.HeadLayoutWarning")
+
 _targets = {}
 
 

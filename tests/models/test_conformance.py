@@ -402,9 +402,11 @@ def test_taps_refused_where_the_forward_cannot_be_captured(arch, one_thread):
 
 
 @pytest.mark.parametrize("arch", LOOPED)
-def test_taps_refused_for_looped_layers(arch, one_thread):
+def test_taps_and_early_exit_refused_for_looped_layers(arch, one_thread):
     with pytest.raises(ValueError, match=r"cannot be tapped: .*hidden_taps.*decoder layer 0 into layer 1"):
         _tree_taps(arch)
+    with pytest.raises(ValueError, match=r"early_exit:1.*expected one hidden state to leave each decoder layer"):
+        specfx.speculate(_pair(arch)[0], draft="early_exit:1", compile=False)
 
 
 @pytest.mark.parametrize("arch", ROWWISE)

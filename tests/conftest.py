@@ -38,6 +38,17 @@ def pytest_report_header(config):
     return f"specfx test tier: {tier}"
 
 
+def tiered(values, default, *, several: bool = False):
+    """``values`` for ``parametrize``, those not in ``default`` marked ``full``: the default tier
+    runs a representative subset, ``--full`` every value. ``several``: each value is a tuple of
+    several arguments (``parametrize(("a", "b"), ...)``)."""
+    full = pytest.mark.full
+    return [
+        v if v in default else pytest.param(*v, marks=full) if several else pytest.param(v, marks=full)
+        for v in values
+    ]
+
+
 def _inductor_compiles() -> int:
     return sum(counters["inductor"].values())
 

@@ -244,6 +244,7 @@ def test_bench_gpu_dry_run_predicts_the_full_config(capsys):
     assert out.count("predicted ") == 13  # 2 pairs x 3 batches x 2 contexts, and the total
 
 
+@pytest.mark.full
 def test_bench_gpu_smoke_runs_every_step(tmp_path):
     """The script end to end on tiny CPU models with graphs captured by Dynamo (specfx_eager):
     the oracle at α = 1 accepts everything, tokens equal HF's, round overhead is measured."""

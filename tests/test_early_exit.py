@@ -8,7 +8,7 @@ from transformers import LogitsProcessorList
 
 import specfx
 from specfx.models.tiny import tiny_causal_lm
-from tests.conftest import ARCHS, left_padded, prompt
+from tests.conftest import ARCHS, left_padded, prompt, tiered
 from tests.test_lossless import NEW, ROWS, _chisquare, _exact, _models
 
 _models_cache = {}
@@ -22,7 +22,7 @@ def _target(arch, layers=3):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("layer", [1, 2])
+@pytest.mark.parametrize("layer", tiered([1, 2], [1]))
 def test_greedy_equals_generate(arch, layer, one_thread):
     target = _target(arch)
     spec = specfx.speculate(target, draft=f"early_exit:{layer}", num_speculative_tokens=3, compile=False)
@@ -75,7 +75,7 @@ def test_self_draft_of_identical_layers_is_always_accepted(one_thread):
     assert spec.stats.acceptance_rate == 1.0
 
 
-@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("k", tiered([1, 3], [3]))
 def test_sampling_matches_exact_distribution(k, one_thread):
     target, _ = _models()  # 2 layers, vocabulary 6: exit after layer 1
     prompt_ids = [1, 4, 2]
@@ -216,6 +216,7 @@ def test_compiled_greedy_equals_generate_and_stays_warm(one_thread):
     assert len(spec.graphs) == graphs  # warm: nothing recompiled
 
 
+@pytest.mark.full
 def test_reallocations_free_old_kv_buffers_and_reuse_captures(one_thread):
     """A reallocation must free the KV buffers it replaces (issue 16 item 10: ~5 MB kept per
     reallocation, because Dynamo kept each capture's backend, cache entry and compiled function,

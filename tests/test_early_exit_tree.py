@@ -14,7 +14,7 @@ from specfx.models.tiny import tiny_causal_lm
 from specfx.runner import ModelRunner
 from specfx.tree import TokenTree
 from specfx.tree_round import draft_levels
-from tests.conftest import left_padded, prompt
+from tests.conftest import left_padded, prompt, tiered
 
 # depth 4; nodes with children at depth 1: (0,), (2,); depth 2: (0, 0), (0, 1); depth 3: (0, 0, 0)
 IRREGULAR = TokenTree([(0,), (1,), (2,), (0, 0), (0, 1), (2, 0), (0, 0, 0), (0, 1, 0), (0, 0, 0, 0)])
@@ -40,7 +40,7 @@ def _check_depth_stats(stats, tree):
     assert stats.proposed == tree.size * stats.row_rounds
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", tiered(["llama", "gpt2"], ["llama"]))
 @pytest.mark.parametrize("name", list(TREES))
 def test_tree_greedy_equals_generate(arch, name, one_thread, monkeypatch):
     tree = TREES[name]

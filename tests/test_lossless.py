@@ -29,6 +29,7 @@ from specfx import tree_round
 from specfx.drafters import Drafter
 from specfx.models.tiny import perturbed_copy, tiny_causal_lm
 from specfx.sampling import sample_from
+from tests.conftest import tiered
 
 V = 6
 NEW = 3
@@ -90,7 +91,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("k", tiered([1, 3], [3]))
 def test_speculative_sampling_matches_exact_distribution(case, k):
     target, draft = _models()
     kwargs, warpers = CASES[case]

@@ -52,6 +52,7 @@ def _check(call: int, target, spec, eager, batch: int, mode: str, rng: random.Ra
         assert torch.equal(out, target.generate(ids, **kwargs)), f"call {call}: greedy != HF"
 
 
+@pytest.mark.full
 def test_long_lived_generator_serves_a_mixed_workload(soak):
     target, spec, eager = soak
     rng = random.Random(0)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["ARCHITECTURES", "ArchSpec", "COMPILED_SUBSET", "installed", "supported", "sweep"]
+__all__ = ["ARCHITECTURES", "ArchSpec", "COMPILED_SUBSET", "REPRESENTATIVE", "installed", "supported", "sweep"]
 
 
 @dataclass(frozen=True)
@@ -156,6 +156,16 @@ ARCHITECTURES: dict[str, ArchSpec] = {
 # vouch for (dict masks + softcapping + eager attention; mixture-of-experts routing; the
 # rowwise 2-D-mask protocol).
 COMPILED_SUBSET = ("gemma2", "mixtral", "bloom")
+
+# The default test tier's architectures (``--full`` runs every supported one): the required
+# set, then one per mechanism the rest add: latent attention (deepseek_v3), an encoder used as a
+# decoder (bert), ALiBi from slots (mpt), local/global layers with their own rope (gemma3_text),
+# chunked attention (llama4_text), attention sinks (gpt_oss), layers without rope (cohere2),
+# looped layers appending cache layers (dory).
+REPRESENTATIVE = (
+    "llama mistral qwen2 qwen3 gemma gemma2 phi3 gpt2 gpt_neox opt falcon stablelm bloom mixtral qwen2_moe "
+    "deepseek_v3 bert mpt gemma3_text llama4_text gpt_oss cohere2 dory"
+).split()
 
 
 def installed(name: str) -> bool:

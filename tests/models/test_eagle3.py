@@ -24,7 +24,7 @@ from specfx.models.eagle3 import Eagle3, resolve_taps
 from specfx.models.tiny import tiny_causal_lm
 from specfx.tree import TokenTree
 from specfx.tree_round import draft_levels
-from tests.conftest import active_rounds, left_padded, prompt
+from tests.conftest import active_rounds, left_padded, prompt, tiered
 from tests.models.test_eagle import _Reference as _EagleReference
 from tests.test_lossless import (
     NEW,
@@ -87,7 +87,7 @@ def _assert_greedy_equal(target, spec, ids, mask=None, new=15):
 
 
 # ----------------------------------------------------------------------------- greedy
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", tiered(ARCHS, ("llama", "gemma2")))
 def test_greedy_equals_generate_chain_and_trees(arch, head_dir, one_thread):
     target = _target(arch)
     path = head_dir(arch)
@@ -221,7 +221,7 @@ def _recorded(drafter):
     return rounds
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma2"])  # gemma2 scales its own embeddings; the head does not
+@pytest.mark.parametrize("arch", tiered(["llama", "gemma2"], ["llama"]))  # gemma2 scales its own embeddings; the head does not
 @pytest.mark.parametrize("shape", ["chain", "tree", "dynamic"])
 def test_proposals_equal_an_independent_reference_forward(arch, shape, head_dir, one_thread):
     _assert_proposals_equal_reference(_target(arch), head_dir(arch), shape)
@@ -312,7 +312,7 @@ def test_a_trained_head_is_accepted_at_depth_two(tmp_path, one_thread):
 
 # ----------------------------------------------------------------------------- compiled
 @pytest.mark.compiled
-@pytest.mark.parametrize("shape", ["chain", "tree"])
+@pytest.mark.parametrize("shape", tiered(["chain", "tree"], ["tree"]))
 def test_compiled_round_is_one_graph_and_stays_warm(shape, head_dir, one_thread):
     target = _target("llama")
     backend = "specfx" if shape == "tree" else "specfx_eager"  # Inductor once per head type in CI

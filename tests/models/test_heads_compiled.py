@@ -23,7 +23,7 @@ import specfx
 from specfx.models.tiny import tiny_causal_lm
 from specfx.tree import TokenTree
 
-from ..conftest import left_padded
+from ..conftest import left_padded, tiered
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "mixtral")
 BACKEND = os.environ.get("SPECFX_HEADS_BACKEND", "specfx_eager")
@@ -47,7 +47,7 @@ TREES = {"medusa": TREE, "eagle": TokenTree.eagle2(budget=8, depth=3, branching=
 CASES = [("tree", arch) for arch in ARCHS] + [("chain", arch) for arch in (ARCHS if BACKEND != "specfx_eager" else ("llama",))]
 
 
-@pytest.mark.parametrize(("shape", "arch"), CASES)
+@pytest.mark.parametrize(("shape", "arch"), tiered(CASES, [("tree", "llama"), ("chain", "llama")], several=True))
 @pytest.mark.parametrize("kind", sorted(TREES))
 def test_compiled_round(shape, kind, arch, one_thread):
     target = tiny_causal_lm(arch, num_layers=4)

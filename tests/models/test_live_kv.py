@@ -7,11 +7,12 @@ left-padded batch past the tiny configs' sliding window, and a token tree. Each 
 that the pass cut attention calls (sites > 0) and that the graph read fewer slots than the
 buffer holds, so a pass that silently stopped matching would fail here.
 
-LIVE_SUBSET: every architecture whose tiny model runs HF's *eager* attention (the pattern
-rewrite) plus the SDPA architectures of the required set (full, sliding, mixed layer types,
-MoE, ALiBi, parallel blocks). The whole supported matrix runs with
-``SPECFX_LIVE_KV_MATRIX=all`` (outside CI: ~210 Dynamo traces, ~25 min on 2 CPU cores), all
-but the two architectures whose rounds do not compile at all (NOT_COMPILABLE).
+LIVE_SUBSET (``--full``; the default tier takes DEFAULT_SUBSET of it): every architecture whose
+tiny model runs HF's *eager* attention (the pattern rewrite) plus the SDPA architectures of the
+required set (full, sliding, mixed layer types, MoE, ALiBi, parallel blocks). The whole
+supported matrix runs with ``SPECFX_LIVE_KV_MATRIX=all`` (outside CI: ~210 Dynamo traces,
+~25 min on 2 CPU cores), all but the two architectures whose rounds do not compile at all
+(NOT_COMPILABLE).
 """
 
 import os
@@ -25,7 +26,7 @@ from specfx.models.tiny import tiny_causal_lm
 from specfx.sampling import Mode
 from specfx.tree import TokenTree
 
-from ..conftest import left_padded, prompt
+from ..conftest import left_padded, prompt, tiered
 from .test_conformance import _pair  # the conformance matrix's target/draft pairs, cached
 
 EAGER_ATTENTION = (
@@ -40,6 +41,9 @@ NOT_COMPILABLE = {
     "jetmoe": "its MoE routing calls .item() (the round check refuses the graph)",
 }
 ALL = [a for a in supported() if a not in NOT_COMPILABLE]
+# the default tier: SDPA full/sliding/MoE, eager attention with dict masks, ALiBi (rowwise and
+# from slots), attention sinks, eager sliding windows
+DEFAULT_SUBSET = ("llama", "mistral", "mixtral", "gemma2", "bloom", "mpt", "gpt_oss", "granite_swa")
 MATRIX = ALL if os.environ.get("SPECFX_LIVE_KV_MATRIX") == "all" else LIVE_SUBSET
 ROWWISE = ("bloom",)  # the rowwise protocol takes no tree mask (refused)
 TREE_SLOT_BIAS = ("mpt",)  # ALiBi from key slots: trees refused
@@ -65,7 +69,7 @@ def _assert_cut(spec):
     assert sites and all(n > 0 for n in sites), f"live_kv sites per graph: {sites}"
 
 
-@pytest.mark.parametrize("arch", MATRIX)
+@pytest.mark.parametrize("arch", tiered(MATRIX, DEFAULT_SUBSET))
 def test_greedy_equals_hf_with_live_kv(arch, one_thread):
     target, draft = _pair(arch)
     spec = specfx.speculate(target, draft=draft, num_speculative_tokens=3, backend="specfx_eager", live_kv=16)
@@ -74,7 +78,7 @@ def test_greedy_equals_hf_with_live_kv(arch, one_thread):
     _assert_cut(spec)
 
 
-@pytest.mark.parametrize("arch", TREE_MATRIX)
+@pytest.mark.parametrize("arch", tiered(TREE_MATRIX, DEFAULT_SUBSET))
 def test_tree_greedy_equals_hf_with_live_kv(arch, one_thread):
     target, draft = _pair(arch)
     spec = specfx.speculate(target, draft=draft, tree=TREE, backend="specfx_eager", live_kv=16)
@@ -156,7 +160,12 @@ DRAFTERS = _drafters()
 DRAFTER_CASES = [(n, s) for n in sorted(DRAFTERS) for s in ("chain", "tree") if (n, s) != ("mtp", "tree")]
 
 
-@pytest.mark.parametrize(("name", "shape"), DRAFTER_CASES)
+# the default tier: each drafter family once, chains and trees both covered
+DEFAULT_DRAFTER_CASES = [("early_exit", "chain"), ("prompt_lookup", "tree"), ("eagle", "chain"), ("eagle3", "tree"),
+                         ("medusa", "chain"), ("mtp", "chain")]
+
+
+@pytest.mark.parametrize(("name", "shape"), tiered(DRAFTER_CASES, DEFAULT_DRAFTER_CASES, several=True))
 def test_drafters_with_live_kv(name, shape, one_thread):
     target, make = DRAFTERS[name]()
     round_shape = dict(num_speculative_tokens=3) if shape == "chain" else dict(tree=TREE)

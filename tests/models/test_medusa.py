@@ -28,7 +28,7 @@ import specfx
 from specfx.models.medusa import Medusa
 from specfx.models.tiny import tiny_causal_lm
 from specfx.tree import TokenTree
-from tests.conftest import left_padded, prompt
+from tests.conftest import left_padded, prompt, tiered
 from tests.test_lossless import (
     CASES,
     NEW,
@@ -169,7 +169,7 @@ def _check_greedy(spec, target, ids, mask, new=NEW_TOKENS):
 
 
 # --------------------------------------------------------------------------- greedy equality
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", tiered(ARCHS, ("llama", "gemma2")))
 def test_greedy_equals_hf(arch, tmp_path, one_thread):
     """Chain K=3 and a token tree, batch 1 and a left-padded batch; fitted heads (FasterDecoding's
     layout for half the architectures, vLLM's for the others) accept at depth >= 2 and reject too."""
@@ -282,7 +282,7 @@ def _sampling_heads(tmp_path):
     return target, Medusa(_fitted(target, [(3, seq) for seq in samples], tmp_path / "heads", "vllm"))
 
 
-@pytest.mark.parametrize("case", ["temperature", "temperature-topk-topp"])
+@pytest.mark.parametrize("case", tiered(["temperature", "temperature-topk-topp"], ["temperature-topk-topp"]))
 def test_chain_sampling_matches_exact_distribution(case, tmp_path, one_thread):
     target, heads = _sampling_heads(tmp_path)
     kwargs, warpers = TEMPERATURE if case == "temperature" else CASES[case]

@@ -7,6 +7,8 @@ CI runs it. Markers (``pyproject.toml``): ``full``, ``compiled`` (compiles with 
 below), ``cuda``.
 """
 
+import os
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -31,6 +33,14 @@ def pytest_collection_modifyitems(config, items):
     if full:  # deselected, not skipped: the tier is chosen, nothing is hidden behind a skip
         config.hook.pytest_deselected(items=full)
         items[:] = [item for item in items if not item.get_closest_marker("full")]
+
+
+def pytest_configure(config):
+    # pytest-xdist workers share the cores: torch's intra-op threads are split between them
+    # (two workers with two threads each on two cores spend their time waiting for a core)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 def pytest_report_header(config):

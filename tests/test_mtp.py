@@ -98,7 +98,9 @@ class _Recording(specfx.MTP):
 
 def _hf_drafts(target, layers, seq: list[int]) -> list[int]:
     """HF's MTP drafts after committed tokens ``seq`` (the last one pending), computed from
-    scratch: the target's last hidden states over the prefix, then ``MtpModel.forward``."""
+    scratch: the target's last hidden states over the prefix, then ``MtpModel.forward``. The
+    all-ones attention mask is what ``generate()`` passes: every release takes it, and up to
+    transformers 5.17 ``MtpModel.forward`` requires it (it rolls the mask between layers)."""
     from transformers.cache_utils import MtpCache
 
     ids = torch.tensor([seq])
@@ -108,7 +110,7 @@ def _hf_drafts(target, layers, seq: list[int]) -> list[int]:
         drafts, _, _ = layers(
             input_ids=ids[:, 1:],
             last_hidden_states=hidden,
-            attention_mask=None,
+            attention_mask=torch.ones_like(ids[:, 1:]),
             position_ids=torch.arange(1, n + 1).unsqueeze(0),
             mtp_cache=MtpCache(config=target.config.get_mtp_config()),
         )

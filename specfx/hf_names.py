@@ -13,6 +13,11 @@ A model loaded with ``trust_remote_code`` may still use the old name on a new tr
 asking its own forward covers that too.
 
 The repetition penalty and left padding (:func:`penalty_counts_left_padding`).
+
+Where a checkpoint's MTP weights are (:func:`mtp_weights_regex`).
+``MtpModel.get_mtp_weights_regex`` arrived in transformers 5.20; before, ``MtpModel.from_pretrained``
+built the same pattern inline from the model's ``_keys_to_ignore_on_load_unexpected``, which is
+what specfx does where the method is missing.
 """
 
 from __future__ import annotations
@@ -20,9 +25,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import re
 from collections.abc import Callable
 
-__all__ = ["CACHE_KWARGS", "cache_kwarg", "output_cache", "output_cache_field", "penalty_counts_left_padding"]
+__all__ = [
+    "CACHE_KWARGS",
+    "cache_kwarg",
+    "mtp_weights_regex",
+    "output_cache",
+    "output_cache_field",
+    "penalty_counts_left_padding",
+]
 
 # The names a forward may give its cache argument, newest first.
 CACHE_KWARGS = ("cache", "past_key_values")
@@ -90,3 +103,24 @@ def _probe_penalty() -> bool:
     except (TypeError, ValueError, RuntimeError):  # a release whose processor takes one int for every row
         return True
     return not (scores[0, 3] == 1 and scores[1, 3] != 1)
+
+
+def mtp_weights_regex(mtp_model: type, model) -> re.Pattern:
+    """The pattern ``mtp_model.from_pretrained(model)`` selects MTP weights from the checkpoint
+    with; a ValueError when ``model``'s class registers none (transformers cannot load its MTP
+    layers). ``mtp_model`` is transformers' ``MtpModel``: its ``get_mtp_weights_regex`` where the
+    release has one (5.20 on), else the pattern its ``from_pretrained`` built inline (5.17 to
+    5.19): the model's ``_keys_to_ignore_on_load_unexpected``, less those naming a layer number
+    below the decoder's layer count (a smaller checkpoint's MTP layers inside a bigger one's)."""
+    get = getattr(mtp_model, "get_mtp_weights_regex", None)
+    if get is not None:
+        return get(model)
+    num_hidden_layers = model.config.get_text_config().num_hidden_layers
+    patterns = []
+    for pattern in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ():
+        layer = re.search(r"\.(\d+)", pattern)
+        if layer is None or int(layer.group(1)) >= num_hidden_layers:
+            patterns.append(pattern)
+    if not patterns:
+        raise ValueError(f"{type(model).__name__} does not seem to register any known MTP layer patterns")
+    return re.compile("|".join(f"({pattern})" for pattern in patterns))

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from .cache import SlotCache
 from .drafters import TREE_DRAFTERS, Drafter, draft_chain, stash_at
 from .graph_utils import mark_static
-from .hf_names import cache_kwarg
+from .hf_names import cache_kwarg, mtp_weights_regex
 from .masks import check_attn_implementation, layer_pattern, to_format, visible_slots
 from .runner import ModelRunner
 
@@ -96,10 +96,22 @@ def _checkpoint_keys(model) -> list[str] | None:
         return list(f.keys())
 
 
-def _checkpoint_has_mtp_weights(model) -> bool:
-    mtp_model = mtp_support()
+def _cannot_load_mtp(model) -> str | None:
+    """Why the installed transformers cannot build ``model``'s MTP layers and load them from a
+    checkpoint (HF's own error), or None when it can. Asked of transformers itself, not of a version
+    number: e.g. Mellum's MTP layers arrived in transformers 5.20; before, its config has no MTP
+    layer types (``get_mtp_config()`` refuses) and its class registers no MTP weights."""
     try:
-        pattern: re.Pattern = mtp_model.get_mtp_weights_regex(model)
+        model.config.get_mtp_config()  # what MtpModel(model, n) builds its layers from
+        mtp_weights_regex(mtp_support(), model)  # what MtpModel.from_pretrained(model) loads
+    except (ValueError, AttributeError, TypeError) as e:
+        return str(e) or type(e).__name__
+    return None
+
+
+def _checkpoint_has_mtp_weights(model) -> bool:
+    try:
+        pattern: re.Pattern = mtp_weights_regex(mtp_support(), model)
     except (ValueError, AttributeError, TypeError):
         return False
     keys = _checkpoint_keys(model)
@@ -107,11 +119,16 @@ def _checkpoint_has_mtp_weights(model) -> bool:
 
 
 def has_mtp(model) -> bool:
-    """True when ``draft="mtp"`` can work on ``model`` as loaded: transformers supports MTP,
-    the config declares MTP layers, and the checkpoint the model came from holds their weights.
-    Cheap (config and safetensors headers only) and never raises."""
+    """True when ``draft="mtp"`` can work on ``model`` as loaded: transformers supports MTP for
+    this model, the config declares MTP layers, and the checkpoint the model came from holds their
+    weights. Cheap (config and safetensors headers only) and never raises."""
     try:
-        return mtp_support() is not None and mtp_layer_count(model) > 0 and _checkpoint_has_mtp_weights(model)
+        return (
+            mtp_support() is not None
+            and mtp_layer_count(model) > 0
+            and _cannot_load_mtp(model) is None
+            and _checkpoint_has_mtp_weights(model)
+        )
     except Exception:  # a heuristic for the default choice must not break speculate()
         return False
 
@@ -201,6 +218,17 @@ class MTP(Drafter):
         if self.mtp is None:
             if mtp_layer_count(model) == 0:
                 raise _no_mtp_error(model, "has no MTP layers (its config sets no num_mtp_layers)")
+            why = _cannot_load_mtp(model)
+            if why is not None:
+                import transformers
+
+                raise ValueError(
+                    f"draft='mtp': {type(model).__name__} declares {mtp_layer_count(model)} MTP layer(s), but "
+                    f"transformers {transformers.__version__} cannot build or load this model's MTP layers "
+                    f"({why}): its implementation of {type(model).__name__} has no MTP support. Upgrade "
+                    f"transformers to a release whose {type(model).__name__} supports MTP layers, or use "
+                    f"draft='prompt_lookup', draft='early_exit:N' or a draft model."
+                )
             if not _checkpoint_has_mtp_weights(model):
                 where = getattr(model.config, "name_or_path", "") or "(no checkpoint path)"
                 raise _no_mtp_error(

@@ -34,6 +34,7 @@ __all__ = [
     "compare",
     "full_logits",
     "incremental_logits",
+    "not_causal",
     "probe_capacity",
     "probe_length",
     "probe_tokens",
@@ -114,6 +115,16 @@ def full_logits(model, seq: torch.Tensor) -> torch.Tensor:
     pos = torch.arange(seq.numel(), device=seq.device).unsqueeze(0)
     kwargs = {"position_ids": pos} if "position_ids" in inspect.signature(model.forward).parameters else {}
     return model(input_ids=seq.unsqueeze(0), use_cache=False, **kwargs).logits[0].float()
+
+
+def not_causal(model, seq: torch.Tensor, full: torch.Tensor, dtype: torch.dtype) -> str | None:
+    """What differs when ``model``'s full forward sees only the first half of ``seq [L]`` instead
+    of all of it (``full``: :func:`full_logits` of ``seq``), or None: a causal forward gives the
+    same logits for a prefix either way. Asked after the probe failed, to name the cause: a
+    forward that attends to later tokens cannot be reproduced by any incremental decoding."""
+    n = seq.numel() // 2
+    found = compare_rows(full_logits(model, seq[:n]), full[:n], dtype)
+    return None if found is None else f"its logits for the first {n} tokens change when later tokens follow: {found}"
 
 
 def incremental_logits(runner, seq: torch.Tensor) -> torch.Tensor:

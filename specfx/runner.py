@@ -20,6 +20,7 @@ from .probe import (
     compare_rows,
     full_logits,
     incremental_logits,
+    not_causal,
     probe_capacity,
     probe_length,
     probe_tokens,
@@ -162,7 +163,37 @@ class ModelRunner:
             self.probed_capacity = capacity
             return
         cause = failure if isinstance(failure, Exception) else None
+        if cause is None:
+            try:  # only to name the cause: a forward that attends to later tokens
+                with torch.no_grad():
+                    later = not_causal(model, seq, full, self.dtype)
+            except Exception:  # the refusal below stands either way
+                later = None
+            if later is not None:
+                raise ValueError(self._not_causal_refusal(failure, later, capacity))
         raise ValueError(self._refusal(failure, capacity)) from cause
+
+    def _not_causal_refusal(self, failure: str, later: str, capacity: int) -> str:
+        who = f"{self.role} ({type(self.model).__name__})"
+        when = f"when its KV buffers grew to {capacity} slots" if self.probed_capacity else f"at {capacity} slots"
+        config = self.model.config.get_text_config()
+        if getattr(config, "is_decoder", None) is True:
+            import transformers
+
+            hint = (
+                f"Its config sets is_decoder=True, yet the implementation in transformers "
+                f"{transformers.__version__} attends bidirectionally (as BigBird, MegatronBert, RemBert and RoFormer "
+                f"do in transformers 5.17, even as decoders): upgrade transformers to a release whose implementation "
+                f"is causal as a decoder."
+            )
+        else:
+            hint = "BERT-style heads are causal only as decoders: load the model with is_decoder=True."
+        return (
+            f"{who} does not decode incrementally like its full forward {when} ({failure}), "
+            f"because its full forward attends to later tokens ({later}): no incremental decoding reproduces it, "
+            f"not even its own generate(). {hint} specfx cannot run it exactly, so it refuses it rather than "
+            f"generate different tokens."
+        )
 
     def _refusal(self, failure, capacity: int) -> str:
         who = f"{self.role} ({type(self.model).__name__})"

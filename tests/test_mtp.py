@@ -7,6 +7,10 @@ the core as targets, which is tested too.
 The MTP layers are random (``MtpModel(target, m)``), so acceptance is low, but the drafts
 must be *exactly* HF's: the oracle test replays every round's committed prefix through HF's
 own ``MtpModel.forward`` with a fresh ``MtpCache`` and compares the proposals.
+
+An architecture's MTP layers run where the installed transformers builds them (Mellum's from
+5.20 on; before, its config has no MTP layer types and ``MtpModel`` refuses it): elsewhere
+``draft="mtp"`` is refused at ``speculate()``, which is tested instead.
 """
 
 
@@ -16,6 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LogitsProcessorList
 
 import specfx
 from specfx import mtp as mtp_module
+from specfx.models.architectures import installed
 from specfx.models.tiny import tiny_causal_lm
 from specfx.tree import TokenTree
 from tests.conftest import active_rounds, left_padded, prompt
@@ -51,12 +56,27 @@ MTP_ARCHS = {
 _cache = {}
 
 
+def mtp_config(arch: str, m: int, vocab: int = 128, **kw):
+    overrides, _ = MTP_ARCHS[arch]
+    return AutoConfig.for_model(arch, **{**_COMMON, **overrides, "num_mtp_layers": m, "vocab_size": vocab, **kw})
+
+
+def hf_builds_mtp(arch: str) -> bool:
+    """Whether the installed transformers builds ``arch``'s MTP layers: ``MtpModel(target, m)``
+    starts from ``config.get_mtp_config()``, which refuses a config whose MTP layers it cannot
+    type (Mellum before transformers 5.20: ``layer_types`` but no ``mtp_layer_types``)."""
+    try:
+        mtp_config(arch, 1).get_mtp_config()
+    except ValueError:
+        return False
+    return True
+
+
 def mtp_target(arch: str, m: int, vocab: int = 128, seed: int = 0, **kw):
     """(target, MtpModel) for a tiny ``arch`` with ``m`` random MTP layers (both eval)."""
     key = (arch, m, vocab, seed, tuple(sorted(kw.items())))
     if key not in _cache:
-        overrides, _ = MTP_ARCHS[arch]
-        config = AutoConfig.for_model(arch, **{**_COMMON, **overrides, "num_mtp_layers": m, "vocab_size": vocab, **kw})
+        config = mtp_config(arch, m, vocab, **kw)
         torch.manual_seed(seed)
         target = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
         target.generation_config.pad_token_id = 0
@@ -65,7 +85,8 @@ def mtp_target(arch: str, m: int, vocab: int = 128, seed: int = 0, **kw):
     return _cache[key]
 
 
-CASES = [(arch, m) for arch, (_, depths) in MTP_ARCHS.items() for m in depths]
+BUILT = sorted(arch for arch in MTP_ARCHS if hf_builds_mtp(arch))  # the others: refused, tested below
+CASES = [(arch, m) for arch in BUILT for m in MTP_ARCHS[arch][1]]
 
 
 def _left_padded(batch=3, length=10, seed=4, vocab=128, pads=(4, 7)):
@@ -98,7 +119,9 @@ class _Recording(specfx.MTP):
 
 def _hf_drafts(target, layers, seq: list[int]) -> list[int]:
     """HF's MTP drafts after committed tokens ``seq`` (the last one pending), computed from
-    scratch: the target's last hidden states over the prefix, then ``MtpModel.forward``."""
+    scratch: the target's last hidden states over the prefix, then ``MtpModel.forward``. The
+    all-ones attention mask is what ``generate()`` passes: every release takes it, and up to
+    transformers 5.17 ``MtpModel.forward`` requires it (it rolls the mask between layers)."""
     from transformers.cache_utils import MtpCache
 
     ids = torch.tensor([seq])
@@ -108,7 +131,7 @@ def _hf_drafts(target, layers, seq: list[int]) -> list[int]:
         drafts, _, _ = layers(
             input_ids=ids[:, 1:],
             last_hidden_states=hidden,
-            attention_mask=None,
+            attention_mask=torch.ones_like(ids[:, 1:]),
             position_ids=torch.arange(1, n + 1).unsqueeze(0),
             mtp_cache=MtpCache(config=target.config.get_mtp_config()),
         )
@@ -135,7 +158,7 @@ def test_drafts_equal_hf_mtp_model_in_every_round(arch, m, one_thread):
     assert spec.stats.accepted > 0  # some rounds committed more than one token
 
 
-@pytest.mark.parametrize("arch", sorted(MTP_ARCHS))
+@pytest.mark.parametrize("arch", BUILT)
 def test_sampling_matches_exact_distribution(arch, one_thread):
     m = MTP_ARCHS[arch][1][-1]
     target, layers = mtp_target(arch, m, vocab=6, seed=3, eos_token_id=None, initializer_range=0.12)
@@ -159,6 +182,11 @@ def mellum_checkpoint(tmp_path):
     return loaded, layers
 
 
+@pytest.mark.skipif(
+    "mellum" not in BUILT,
+    reason="this transformers cannot build Mellum's MTP layers (checked by capability); "
+    "test_draft_mtp_is_refused_where_transformers_cannot_build_the_mtp_layers asserts the refusal",
+)
 def test_draft_mtp_loads_layers_from_the_checkpoint_and_is_the_default(mellum_checkpoint, one_thread):
     model, layers = mellum_checkpoint
     assert mtp_module.has_mtp(model)
@@ -181,6 +209,38 @@ def test_has_mtp_needs_layers_in_config_and_weights_in_checkpoint():
     assert specfx.speculate(target, compile=False).drafter.name != "mtp"
 
 
+def test_has_mtp_reads_the_checkpoint_keys_where_transformers_loads_them_from(tmp_path):
+    """DeepSeek-V3 keeps its MTP layer after the decoder's (``model.layers.61.*``, the pattern its
+    class registers): a checkpoint holding such keys has MTP layers, on every release (before 5.20,
+    whose MtpModel has no ``get_mtp_weights_regex``, by the pattern its from_pretrained builds)."""
+    from safetensors.torch import load_file, save_file
+
+    target, _ = mtp_target("deepseek_v3", 1)
+    target.save_pretrained(tmp_path)
+    assert not mtp_module.has_mtp(AutoModelForCausalLM.from_pretrained(tmp_path))
+    file = tmp_path / "model.safetensors"
+    tensors = load_file(file)
+    tensors["model.layers.61.eh_proj.weight"] = torch.zeros(64, 128)
+    save_file(tensors, file, metadata={"format": "pt"})
+    assert mtp_module.has_mtp(AutoModelForCausalLM.from_pretrained(tmp_path))
+
+
+@pytest.mark.parametrize("arch", sorted(MTP_ARCHS))
+def test_draft_mtp_is_refused_where_transformers_cannot_build_the_mtp_layers(arch):
+    """A config that declares MTP layers transformers cannot build (Mellum before 5.20) is refused
+    at speculate() naming the upgrade, before any checkpoint is read, and is not the default
+    drafter; where transformers builds them, the refusal is only about the missing weights."""
+    target = AutoModelForCausalLM.from_config(mtp_config(arch, 1), attn_implementation="sdpa").eval()
+    if arch in BUILT:
+        match = r"declares 1 MTP layer\(s\) but its checkpoint .* holds no MTP weights"
+    else:
+        match = r"transformers \S+ cannot build or load this model's MTP layers .* Upgrade transformers"
+    with pytest.raises(ValueError, match=match):
+        specfx.speculate(target, draft="mtp", compile=False)
+    assert not mtp_module.has_mtp(target)
+    assert specfx.speculate(target, compile=False).drafter.name != "mtp"
+
+
 @pytest.mark.parametrize(
     ("model", "match"),
     [
@@ -196,7 +256,9 @@ def test_draft_mtp_on_a_model_without_mtp_layers_is_a_clear_error(model, match):
     assert all(torch.equal(v, target.state_dict()[k]) for k, v in before.items())
 
 
-@pytest.mark.parametrize("arch", ["bailing_hybrid", "inkling_text", "nemotron_h", "deepseek_v4"])
+@pytest.mark.parametrize(
+    "arch", [a for a in ("bailing_hybrid", "inkling_text", "nemotron_h", "deepseek_v4") if installed(a)]
+)
 def test_other_mtp_architectures_are_refused_as_targets(arch):
     """The remaining transformers models with MTP support keep recurrent, linear-attention or
     hybrid state, which specfx cannot roll back per row: refused by the core, MTP or not."""

@@ -9,6 +9,13 @@ and what makes the architecture interesting, and the conformance tests
 table that follows the conventions works anyway; ``python -m specfx.models.architectures
 --sweep`` checks every causal LM type transformers ships and prints the rows to add.
 
+A row may hold only where the installed implementation is causal (``ArchSpec.if_causal``): transformers
+5.17's BigBird, MegatronBert and RemBert attend to later tokens even as decoders. Whether it is
+is read off the installed implementation itself (:func:`decodes_incrementally`, HF's own cached
+decoding against its full forward), never off a version number; :func:`supported` leaves such a
+row out where it is not, and ``speculate()`` refuses the model there (the incremental-decoding
+probe).
+
 The engine reads one declaration from here, for failures nothing in the config or graph
 reveals: the ``unsupported`` status (``speculate()`` refuses such a model with the recorded
 reason rather than risk wrong tokens).
@@ -28,19 +35,32 @@ Statuses:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
-__all__ = ["ARCHITECTURES", "ArchSpec", "COMPILED_SUBSET", "REPRESENTATIVE", "installed", "supported", "sweep"]
+__all__ = [
+    "ARCHITECTURES",
+    "ArchSpec",
+    "COMPILED_SUBSET",
+    "REPRESENTATIVE",
+    "decodes_incrementally",
+    "installed",
+    "supported",
+    "sweep",
+]
 
 
 @dataclass(frozen=True)
 class ArchSpec:
-    """One row: status, what the architecture exercises, and tiny-config overrides."""
+    """One row: status, what the architecture exercises, and tiny-config overrides.
+    ``if_causal``: supported only where the installed implementation decodes incrementally
+    (:func:`decodes_incrementally`); elsewhere refused by the probe and left out of :func:`supported`."""
 
     status: str
     features: str = ""
     reason: str = ""
     overrides: dict = field(default_factory=dict)
+    if_causal: bool = False
 
 
 def _s(features: str = "", **overrides) -> ArchSpec:
@@ -108,9 +128,22 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     **{
         name: _s("encoder used as a decoder (is_decoder=True)")
         for name in (
-            "big_bird roc_bert bert bert-generation camembert data2vec-text electra ernie megatron-bert rembert roberta "
-            "roberta-prelayernorm xlm-roberta xlm-roberta-xl"
+            "roc_bert bert bert-generation camembert data2vec-text electra ernie roberta roberta-prelayernorm "
+            "xlm-roberta xlm-roberta-xl"
         ).split()
+    },
+    # transformers 5.17's BigBird, MegatronBert and RemBert build a bidirectional mask even with
+    # is_decoder=True (5.18 made them causal): their forward attends to later tokens, so HF's own
+    # generate() (the prompt in one forward, then a token at a time) neither equals its forward
+    # nor can be reproduced by any incremental decoding; the probe refuses them there.
+    **{
+        name: ArchSpec(
+            "supported",
+            "encoder used as a decoder (is_decoder=True); supported where the installed implementation is "
+            "causal as a decoder (transformers 5.17's attends to later tokens even then: refused there)",
+            if_causal=True,
+        )
+        for name in ("big_bird", "megatron-bert", "rembert")
     },
     # --- refused with a clear error
     **{
@@ -177,8 +210,44 @@ def installed(name: str) -> bool:
 
 
 def supported() -> list[str]:
-    """Supported model types that the installed transformers ships."""
-    return [name for name, spec in ARCHITECTURES.items() if spec.status == "supported" and installed(name)]
+    """Supported model types that the installed transformers ships, less the ``if_causal`` rows
+    whose installed implementation does not decode incrementally (their tiny model is checked)."""
+    return [
+        name
+        for name, spec in ARCHITECTURES.items()
+        if spec.status == "supported" and installed(name) and (not spec.if_causal or _tiny_decodes_incrementally(name))
+    ]
+
+
+@functools.cache
+def _tiny_decodes_incrementally(name: str) -> bool:
+    from .tiny import tiny_causal_lm
+
+    return decodes_incrementally(tiny_causal_lm(name, **ARCHITECTURES[name].overrides))
+
+
+def decodes_incrementally(model, length: int = 12) -> bool:
+    """Whether ``model``'s own incremental decoding, one token at a time through its own cache as
+    HF's ``generate()`` runs it, gives the logits of its full forward over the same ``length``
+    tokens (within the probe's tolerance). False for a forward that attends to later tokens (an
+    encoder head, or a decoder whose installed implementation builds a bidirectional mask): no
+    incremental path, HF's nor specfx's, reproduces such a model. Only HF's hooks are used here;
+    specfx's own path is the probe's business (:mod:`specfx.probe`)."""
+    import torch
+
+    from ..hf_names import cache_kwarg, output_cache
+    from ..probe import compare_rows, full_logits, probe_tokens
+
+    seq = probe_tokens(length, model.config.get_text_config().vocab_size, model.device)
+    name = cache_kwarg(model)
+    cache, steps = None, []
+    with torch.no_grad():
+        full = full_logits(model, seq)  # [L, V]
+        for t in range(length):
+            out = model(input_ids=seq[t : t + 1].unsqueeze(0), use_cache=True, **({name: cache} if t else {}))
+            cache = output_cache(out)
+            steps.append(out.logits[0, -1].float())
+    return compare_rows(torch.stack(steps), full, model.dtype) is None
 
 
 def sweep(model_types=None, max_new_tokens: int = 40) -> list[tuple[str, str]]:

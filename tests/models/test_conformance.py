@@ -23,7 +23,14 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import specfx
 from specfx.masks import TreeView
-from specfx.models.architectures import ARCHITECTURES, COMPILED_SUBSET, REPRESENTATIVE, installed, supported
+from specfx.models.architectures import (
+    ARCHITECTURES,
+    COMPILED_SUBSET,
+    REPRESENTATIVE,
+    decodes_incrementally,
+    installed,
+    supported,
+)
 from specfx.models.tiny import perturbed_copy, tiny_causal_lm
 from specfx.tree import TokenTree
 
@@ -241,25 +248,60 @@ def test_refused_with_a_reason(arch):
         specfx.speculate(model, draft=model, compile=False)
 
 
+_GENERIC = r"does not decode incrementally.*is_decoder=True.*position_ids"
+_LATER = r"does not decode incrementally.*because its full forward attends to later tokens \(its logits for the first"
+
+
 @pytest.mark.parametrize(
-    "arch, overrides",
+    "arch, overrides, match",
     [
-        ("bert", dict(is_decoder=False)),
-        ("mvp", {}),
-        ("roformer", {}),
-        ("gpt_neo", ARCHITECTURES["gpt_neo"].overrides),
-        ("moshi", {}),
-        ("hrm_text", {}),
+        ("bert", dict(is_decoder=False), _LATER + r".*load the model with is_decoder=True"),
+        ("mvp", {}, _GENERIC),
+        # positions from the cache length; transformers 5.17's also attends to later tokens
+        ("roformer", {}, _GENERIC + "|" + _LATER),
+        ("gpt_neo", ARCHITECTURES["gpt_neo"].overrides, _GENERIC),
+        ("moshi", {}, _GENERIC),
+        ("hrm_text", {}, _GENERIC),
     ],
 )
-def test_incremental_probe_refuses(arch, overrides):
+def test_incremental_probe_refuses(arch, overrides, match):
     """Bidirectional heads, models that take positions from the cache length, GPT-Neo (window
     cut from the buffer length), Moshi (forward and cache disagree on the window) and HRM (a
     position's logits depend on later tokens) decode differently through specfx's hooks than
-    their own full forward: refused up front."""
+    their own full forward: refused up front. A forward that attends to later tokens within half
+    the probe is named as the cause."""
     model = tiny_causal_lm(arch, **overrides)
-    with pytest.raises(ValueError, match=r"does not decode incrementally.*is_decoder=True.*position_ids"):
+    with pytest.raises(ValueError, match=match):
         specfx.speculate(model, draft=model, compile=False)
+
+
+IF_CAUSAL = [a for a, s in ARCHITECTURES.items() if s.if_causal and installed(a)]
+
+
+@pytest.mark.parametrize("arch", IF_CAUSAL)
+def test_supported_only_where_the_installed_implementation_is_causal(arch, one_thread):
+    """BigBird, MegatronBert and RemBert are causal as decoders from transformers 5.18 on; 5.17's
+    attend to later tokens even with is_decoder=True. Read off HF's own path (its cached decoding
+    against its full forward), not a version: where it decodes incrementally the row is in the
+    matrix above; where not, HF's own generate() differs from greedy decoding with its forward, and
+    speculate() refuses the model, naming the cause and the upgrade."""
+    assert decodes_incrementally(tiny_causal_lm("bert"))  # the check can say both
+    assert not decodes_incrementally(tiny_causal_lm("bert", is_decoder=False))
+    target = _pair(arch)[0]
+    if decodes_incrementally(target):
+        assert arch in SUPPORTED  # test_greedy_equals_hf checks its tokens
+        assert specfx.speculate(target, draft=target, compile=False).target_runner.probed_capacity > 0
+    else:
+        assert arch not in SUPPORTED
+        ids = prompt(12, seed=3)
+        greedy = ids
+        with torch.no_grad():
+            for _ in range(10):
+                greedy = torch.cat([greedy, target(greedy).logits[:, -1:].argmax(-1)], dim=1)
+        assert not torch.equal(target.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=None), greedy)
+        refusal = _LATER + r".*sets is_decoder=True, yet the implementation in transformers \S+ attends bidirectionally"
+        with pytest.raises(ValueError, match=refusal + r".*upgrade transformers"):
+            specfx.speculate(target, draft=target, compile=False)
 
 
 def test_bloom_falls_back_to_the_rowwise_protocol():

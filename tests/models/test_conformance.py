@@ -105,6 +105,7 @@ def test_sampling_run(arch, one_thread):
     assert spec.stats.acceptance_rate > 0.95
 
 
+@pytest.mark.compiled
 @pytest.mark.parametrize("arch", tiered(COMPILED_SUBSET, ("gemma2",)))
 def test_compiled_greedy_equals_hf(arch, one_thread):
     target, draft = _pair(arch)

@@ -266,7 +266,7 @@ def test_a_head_that_agrees_is_accepted_at_depth_two_and_more(mode, tmp_path, on
 
 
 # ------------------------------------------------------------------ sampling
-@pytest.mark.parametrize("mode", tiered(sorted(MODES), ("chain", "dynamic")))
+@pytest.mark.parametrize("mode", tiered(sorted(MODES), ("dynamic",)))
 def test_sampling_matches_exact_distribution(mode, tmp_path_factory, one_thread):
     target, directory = target_and_head("llama", tmp_path_factory, vocab=6, seed=3, eos_token_id=None, initializer_range=0.12)
     target.generation_config.eos_token_id = None

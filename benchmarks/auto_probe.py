@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main(argv=None) -> int:
     import specfx
     from specfx.bench import drafters
-    from specfx.bench.common import NO_EOS, bench_end_to_end, log, torch_threads
+    from specfx.bench.harness import NO_EOS, bench_end_to_end, log, torch_threads
     from specfx.bench.stdlib_code import load_target, pick_functions, task_prompt
 
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -1,7 +1,7 @@
 """The benchmark helpers, for the GPU scripts (``bench_gpu.py``, ``gpu_plan.py``): they live in
-``specfx/bench/common.py`` with the ``specfx bench`` tasks that share them."""
+``specfx/bench/harness.py`` with the ``specfx bench`` tasks that share them."""
 
-from specfx.bench.common import (
+from specfx.bench.harness import (
     BASELINE,
     bench_end_to_end,
     cpu_name,
@@ -11,7 +11,7 @@ from specfx.bench.common import (
     n_params,
     run_all,
 )
-from specfx.bench.common import sync_fn as make_sync
+from specfx.bench.harness import sync_fn as make_sync
 
 __all__ = [
     "BASELINE",

@@ -15,7 +15,7 @@ the JSON is rewritten after each):
   ``cudaGraphLaunch`` calls against rounds run, and the device's busy fraction between the
   first and last kernel of the decode loop (idle gaps = host waits).
 - ``sampling``: a compiled sampling round on CUDA (runs, finite, tokens in the vocabulary).
-- ``bf16``: the reduced-precision rule (``specfx.precision``) on CUDA in bfloat16 for a
+- ``bf16``: the reduced-precision rule (``specfx.testing.precision``) on CUDA in bfloat16 for a
   conformance subset, eager, batch 1 and a left-padded batch; Llama also compiled.
 
 Nothing here asserts timing; ``ok`` fields are correctness results.
@@ -38,9 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 import specfx  # noqa: E402
-from specfx.models.tiny import perturbed_copy, tiny_causal_lm  # noqa: E402
-from specfx.precision import check_greedy_agreement  # noqa: E402
-from specfx.tree import TokenTree  # noqa: E402
+from specfx.testing.tiny import perturbed_copy, tiny_causal_lm  # noqa: E402
+from specfx.testing.precision import check_greedy_agreement  # noqa: E402
+from specfx.trees.types import TokenTree  # noqa: E402
 
 DEV = torch.device("cuda")
 BACKEND = "specfx"
@@ -111,9 +111,9 @@ def profile_generate(fn, rounds_before, spec):
 
 def drafter_cases():
     """(name, build(target, draft) -> speculate kwargs)."""
-    from specfx.models.eagle import Eagle
-    from specfx.models.eagle3 import Eagle3
-    from specfx.models.medusa import Medusa
+    from specfx.drafters.heads.eagle import Eagle
+    from specfx.drafters.heads.eagle3 import Eagle3
+    from specfx.drafters.heads.medusa import Medusa
 
     def medusa(t, d):
         c = t.config.get_text_config()
@@ -207,12 +207,12 @@ def section_drafters(results, deadline):
     if time.monotonic() < deadline and (not ONLY or "mtp" in ONLY):
         t0 = time.monotonic()
         try:
-            from specfx import mtp as mtp_module
+            from specfx.drafters import mtp as mtp_module
 
             if mtp_module.mtp_support() is None:
                 rec = dict(name="mtp", skipped="this transformers has no MtpModel")
             else:
-                from tests.test_mtp import mtp_target
+                from tests.unit.drafters.test_mtp import mtp_target
 
                 mt, layers = mtp_target("glm4_moe", 2)
                 mt = mt.to(DEV)

@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 
 from specfx.config import SpecConfig
-from specfx.drafters import Drafter
-from specfx.sampling import PLACEHOLDER
+from specfx.drafters.base import Drafter
+from specfx.sampling.core import PLACEHOLDER
 
 __all__ = ["OracleDrafter", "greedy_continuation", "expected_acceptance"]
 

@@ -31,9 +31,9 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=5, help="timed calls per method (fastest kept)")
     args = p.parse_args(argv)
     import specfx
-    from specfx.bench.common import NO_EOS, hf_compile_config
-    from specfx.bench.core import make_batches
-    from specfx.models.demo import load_demo_pair
+    from specfx.bench.harness import NO_EOS, hf_compile_config
+    from specfx.bench.tasks.default import make_batches
+    from specfx.demo.pair import load_demo_pair
 
     torch.set_num_threads(1)
     target, _, tok = load_demo_pair(torch.device("cpu"), torch.float32)

@@ -46,8 +46,8 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=12, help="individual ops listed per K")
     args = p.parse_args(argv)
     import specfx
-    from specfx.bench.core import make_batches
-    from specfx.models.demo import load_demo_pair
+    from specfx.bench.tasks.default import make_batches
+    from specfx.demo.pair import load_demo_pair
 
     torch.set_num_threads(1)
     target, draft, tok = load_demo_pair(torch.device("cpu"), torch.float32)

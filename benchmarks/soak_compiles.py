@@ -1,6 +1,6 @@
 """Count and time the cold compiles a long-lived compiled generator pays for a mixed workload.
 
-The call mix is the soak test's (tests/test_soak.py): one Inductor-compiled generator (tiny
+The call mix is the soak test's (tests/soak/test_soak.py): one Inductor-compiled generator (tiny
 Llama target, perturbed-copy draft, K = 3), a first request (100 + 156 tokens) that grows the buffers to 512 slots, then the 15
 classes (batch 1/2/3 x greedy, greedy + repetition penalty + min length, temperature, top-k,
 top-p + penalty) once each, then 48 replays of those classes with new prompts (1..60 tokens,
@@ -58,7 +58,7 @@ def soak_request(batch: int, rng: random.Random):
 
 def run(replays: int = REPLAYS) -> dict:
     import specfx
-    from specfx.models.tiny import perturbed_copy, tiny_causal_lm
+    from specfx.testing.tiny import perturbed_copy, tiny_causal_lm
 
     target = tiny_causal_lm("llama")
     spec = specfx.speculate(target, draft=perturbed_copy(target, 0.03), num_speculative_tokens=3)

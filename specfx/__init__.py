@@ -4,21 +4,21 @@ Top-level API: :func:`speculate`, :class:`SpeculativeGenerator`, :class:`SpecCon
 :class:`SpecStats`, :class:`TokenTree`, :class:`PromptLookup`, :class:`Lookahead`, :class:`EarlyExit`,
 :class:`MTP`, and heads that read the target's hidden states: :class:`Medusa`, :class:`Eagle`
 (EAGLE-1/2), :class:`Eagle3`. Building blocks: :mod:`specfx.passes` (FX passes and the ``specfx``
-torch.compile backend), :mod:`specfx.drafters`, :mod:`specfx.sampling`.
+torch.compile backend), :mod:`specfx.drafters.base`, :mod:`specfx.sampling.core`.
 """
 
-from .config import MAX_SPECULATIVE_TOKENS, SpecConfig
-from .drafters import Drafter, DraftModel
-from .early_exit import EarlyExit
-from .generator import SpeculativeGenerator, speculate
-from .lookahead import Lookahead
-from .models.eagle import Eagle
-from .models.eagle3 import Eagle3
-from .models.medusa import Medusa
-from .mtp import MTP
-from .prompt_lookup import PromptLookup
-from .stats import SpecStats
-from .tree import MAX_TREE_NODES, TokenTree
+from specfx.config import MAX_SPECULATIVE_TOKENS, SpecConfig
+from specfx.drafters.base import Drafter, DraftModel
+from specfx.drafters.early_exit import EarlyExit
+from specfx.api import SpeculativeGenerator, speculate
+from specfx.drafters.lookahead import Lookahead
+from specfx.drafters.heads.eagle import Eagle
+from specfx.drafters.heads.eagle3 import Eagle3
+from specfx.drafters.heads.medusa import Medusa
+from specfx.drafters.mtp import MTP
+from specfx.drafters.prompt_lookup import PromptLookup
+from specfx.engine.stats import SpecStats
+from specfx.trees.types import MAX_TREE_NODES, TokenTree
 
 __version__ = "0.1.0"
 

@@ -20,7 +20,7 @@ __all__ = ["main", "demo", "MarkingStreamer", "DESCRIPTION"]
 DESCRIPTION = (
     "specfx demo completes held-out code prompts with the shipped demo pair (a small Llama-style "
     "target and a much smaller draft trained on the Python standard library; see "
-    "specfx/models/demo_pair/MODEL_CARD.md), marks the drafted-and-accepted tokens, times HF "
+    "specfx/demo/demo_pair/MODEL_CARD.md), marks the drafted-and-accepted tokens, times HF "
     "generate(), HF assisted generation and specfx on the same prompts, checks that specfx's "
     "greedy output is identical to HF's, and writes a plot. --draft eagle3|eagle|medusa drafts with "
     "the heads shipped for the same target instead (trained with specfx train; MODEL_CARD.md 'Heads'). specfx bench is the benchmark "
@@ -76,7 +76,7 @@ def render_marked(tokenizer, tokens: list[tuple[int, bool]], color: bool) -> str
 def assisted(target, draft, k: int, ids: torch.Tensor, kwargs: dict) -> torch.Tensor:
     """HF assisted generation with K constant proposals; the draft's generation_config is
     changed for this call only."""
-    from specfx.bench.common import hf_assisted
+    from specfx.bench.harness import hf_assisted
 
     with hf_assisted(target, draft, k) as kw:
         return target.generate(ids, **kw, **kwargs)
@@ -85,9 +85,9 @@ def assisted(target, draft, k: int, ids: torch.Tensor, kwargs: dict) -> torch.Te
 def demo(args) -> int:
     """``specfx demo``: see :data:`DESCRIPTION` and ``specfx demo --help``."""
     import specfx
-    from specfx.bench.common import spinner, time_method, torch_threads
+    from specfx.bench.harness import spinner, time_method, torch_threads
     from specfx.bench.plot import acceptance_plot
-    from specfx.models.demo import DEMO_PAIR_DIR, demo_drafter, demo_prompts, load_demo_pair
+    from specfx.demo.pair import DEMO_PAIR_DIR, demo_drafter, demo_prompts, load_demo_pair
 
     device = torch.device(args.device)
     # small forwards are often faster on one thread (README, "Performance notes")
@@ -174,7 +174,7 @@ def demo(args) -> int:
     )
     if args.sample:
         print(
-            "sampling: outputs differ from HF's draw by design; the distribution is the target's (tests/test_lossless.py)"
+            "sampling: outputs differ from HF's draw by design; the distribution is the target's (tests/lossless/test_lossless.py)"
         )
     else:
         print(f"greedy output identical to HF generate(): {'yes' if same else 'NO'}")

@@ -21,7 +21,7 @@ class SpecConfig:
             K is chosen before each round among 0 (no speculation: plain decoding through the
             same cache) and ``auto_k_values``, from the acceptance measured so far in the call
             and the measured time of a round (one round graph per value, so no recompiles; see
-            :mod:`specfx.auto_k` for the policy). None (default): "auto" for a chain, with
+            :mod:`specfx.engine.auto_k` for the policy). None (default): "auto" for a chain, with
             ``auto_k_values`` cut to the K the drafter can propose (Medusa: its head count);
             unused when a tree (``tree=``, or a drafter's own, like lookahead's) sets the round.
         compile: compile each round (and prefill) into one graph; False runs the same code eagerly.
@@ -58,7 +58,7 @@ class SpecConfig:
             outgrown is evicted at once. None (default): 16 per K a round may use (16 for a
             fixed K or a tree, 80 for "auto" with the default ``auto_k_values``).
         live_kv: attention reads only the KV slots a call can see (the ``live_kv`` graph pass,
-            :mod:`specfx.passes.live_kv`): the first ``L`` of the buffer's slots, ``L`` the
+            :mod:`specfx.passes.rewrites.live_kv`): the first ``L`` of the buffer's slots, ``L`` the
             call's last position (prompt width + max_new_tokens + K + 2) rounded up to a power
             of two, from 64 (True, default) or from the int given, and the capacity at most.
             One compiled graph per such bucket. False: attention reads the whole buffer. Only
@@ -85,7 +85,7 @@ class SpecConfig:
 
     def __post_init__(self):
         if self.tree is not None:
-            from .tree import DynamicTree, TokenTree
+            from specfx.trees.types import DynamicTree, TokenTree
 
             if self.num_speculative_tokens == AUTO:
                 raise ValueError(

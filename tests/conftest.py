@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from specfx.models.tiny import perturbed_copy, tiny_causal_lm
+from specfx.testing.tiny import perturbed_copy, tiny_causal_lm
 
 ARCHS = ("llama", "qwen2", "gpt2")
 

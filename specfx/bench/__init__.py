@@ -3,12 +3,12 @@
 Tasks (``specfx bench [TASK] --help``):
 
     (default)  the draft-model benchmark: HF dynamic/static/compiled/assisted vs specfx at every
-               K and batch size (:mod:`specfx.bench.core`)
+               K and batch size (:mod:`specfx.bench.tasks.default`)
     drafters   prompt lookup (fixed K and "auto") against HF's prompt lookup on code from the
-               standard library (:mod:`specfx.bench.drafters`)
-    selfspec   early exit and MTP heads against HF's equivalents (:mod:`specfx.bench.selfspec`)
+               standard library (:mod:`specfx.bench.tasks.drafters`)
+    selfspec   early exit and MTP heads against HF's equivalents (:mod:`specfx.bench.tasks.selfspec`)
     trees      token trees against chains at the same verification budget, demo pair
-               (:mod:`specfx.bench.trees`)
+               (:mod:`specfx.bench.tasks.trees`)
 
 A tool beside the library: ``import specfx`` does not import this package (nor tqdm's bars or
 matplotlib, which :mod:`specfx.bench.plot` needs only when it draws).
@@ -27,13 +27,13 @@ def main(argv=None) -> int:
     """Entry point of ``specfx bench``: a task name first selects that task."""
     argv = sys.argv[2:] if argv is None else list(argv)
     if argv[:1] == ["drafters"]:
-        from .drafters import main as task_main
+        from specfx.bench.tasks.drafters import main as task_main
     elif argv[:1] == ["selfspec"]:
-        from .selfspec import main as task_main
+        from specfx.bench.tasks.selfspec import main as task_main
     elif argv[:1] == ["trees"]:
-        from .trees import main as task_main
+        from specfx.bench.tasks.trees import main as task_main
     else:
-        from .core import main as core_main
+        from specfx.bench.tasks.default import main as core_main
 
         return core_main(argv)
     return task_main(argv[1:])

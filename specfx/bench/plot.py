@@ -18,7 +18,7 @@ def acceptance_plot(path: Path, per_position: dict, speeds: dict, speed_title: s
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        from .common import log
+        from specfx.bench.harness import log
 
         log(f"no plot written: {PLOT_INSTALL_HINT}")
         return None

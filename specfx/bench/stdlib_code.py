@@ -2,7 +2,7 @@
 
 Functions of ``--fn-tokens`` tokens (default 40-90, so that an edit prompt and its
 continuation fit the demo pair's 256-token training context) are cut from the files the demo
-pair holds out of training (the path-hash rule of ``specfx.models.train_pair``), in a fixed
+pair holds out of training (the path-hash rule of ``specfx.train.pair``), in a fixed
 order shuffled by ``--seed``:
 
     edit      the function, two blank lines, then its first line again with the function renamed
@@ -22,13 +22,13 @@ from pathlib import Path
 
 import torch
 
-from ..models.demo import DEMO_PAIR_DIR
-from ..models.local import load_causal_lm, load_tokenizer
+from specfx.demo.pair import DEMO_PAIR_DIR
+from specfx.model.load import load_causal_lm, load_tokenizer
 
 __all__ = ["DEMO_TARGET", "functions", "heldout_files", "load_target", "pick_functions", "task_prompt"]
 
 DEMO_TARGET = DEMO_PAIR_DIR / "target"
-HELDOUT_PERMILLE = 50  # specfx.models.train_pair's default split
+HELDOUT_PERMILLE = 50  # specfx.train.pair's default split
 
 
 def default_target() -> str:
@@ -86,7 +86,7 @@ def pick_functions(encode, fn_tokens: tuple[int, int], num: int, seed: int) -> t
 def load_target(spec: str):
     """(target, encode, description) for ``spec``: a local model directory with safetensors
     weights and a tokenizer, or ``"random"`` (a random 6-layer llama over UTF-8 bytes)."""
-    from ..models.tiny import tiny_causal_lm
+    from specfx.testing.tiny import tiny_causal_lm
 
     if spec == "random":
         target = tiny_causal_lm(

@@ -7,16 +7,16 @@ and :func:`live_kv` (attention over the first ``live`` KV slots; run on specfx's
 prefill graphs with ``run_passes(..., live=LiveKV(capacity, live))``).
 """
 
-from .backend import GraphRecord, make_backend, specfx_backend, specfx_eager_backend
-from .dead_code import remove_dead_code
-from .driver import PIPELINE, REWRITES, ROUND_CHECKS, PassError, PassReport, run_passes
-from .early_exit import EarlyExitError, early_exit
-from .gqa_sdpa import gqa_sdpa
-from .hidden_taps import HiddenTapsError, check_tap_names, hidden_taps
-from .live_kv import LiveKV, live_kv
-from .no_host_sync import HostSyncError, check_no_host_sync
-from .prune_logits import prune_logits
-from .static_kv import StaticKVError, check_static_kv
+from specfx.passes.backend import GraphRecord, make_backend, specfx_backend, specfx_eager_backend
+from specfx.passes.rewrites.dead_code import remove_dead_code
+from specfx.passes.pipeline import PIPELINE, REWRITES, ROUND_CHECKS, PassError, PassReport, run_passes
+from specfx.passes.rewrites.early_exit import EarlyExitError, early_exit
+from specfx.passes.rewrites.gqa_sdpa import gqa_sdpa
+from specfx.passes.rewrites.hidden_taps import HiddenTapsError, check_tap_names, hidden_taps
+from specfx.passes.rewrites.live_kv import LiveKV, live_kv
+from specfx.passes.checks.no_host_sync import HostSyncError, check_no_host_sync
+from specfx.passes.rewrites.prune_logits import prune_logits
+from specfx.passes.checks.static_kv import StaticKVError, check_static_kv
 
 __all__ = [
     "PIPELINE",

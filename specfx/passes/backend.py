@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from .driver import PassReport, run_passes
-from .live_kv import LiveKV
-from .no_host_sync import opaque_host_syncs
+from specfx.passes.pipeline import PassReport, run_passes
+from specfx.passes.rewrites.live_kv import LiveKV
+from specfx.passes.checks.no_host_sync import opaque_host_syncs
 
 __all__ = ["GraphRecord", "GraphRecords", "make_backend", "specfx_backend", "specfx_eager_backend"]
 
@@ -72,7 +72,7 @@ def make_backend(
     for arbitrary user code, as the registered ``specfx``/``specfx_eager`` backends do.
 
     ``live`` (specfx's own graphs only): attention reads only the first ``live.live`` of
-    ``live.capacity`` KV slots (:mod:`specfx.passes.live_kv`); the caller vouches that no query
+    ``live.capacity`` KV slots (:mod:`specfx.passes.rewrites.live_kv`); the caller vouches that no query
     of the graph sees a slot past it."""
     if inner not in ("specfx", "specfx_eager"):
         from torch._dynamo.backends.registry import lookup_backend

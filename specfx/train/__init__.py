@@ -12,7 +12,7 @@ Steps, each deterministic for a given ``--seed``:
    split into training and held-out sides by document, and drawn as windows of ``--seq-len``
    tokens from a generator seeded with ``(seed, step)``.
 2. **Features**: the target (loaded safetensors-only, eval mode, never trained) runs each window
-   through :meth:`specfx.runner.ModelRunner.forward` with the head's taps, under ``no_grad``:
+   through :meth:`specfx.model.runner.ModelRunner.forward` with the head's taps, under ``no_grad``:
    the logits and hidden states the head will see in a round, computed on the fly, or once into
    safetensors shards with ``--cache-features`` (:mod:`specfx.train.cache`) for several epochs.
 3. **Heads and losses** (:mod:`specfx.train.heads`): the drafter classes' own modules, trained
@@ -41,12 +41,12 @@ from pathlib import Path
 
 import torch
 
-from ..models.medusa import LAYOUTS as MEDUSA_LAYOUTS
-from ..models.train_pair import load_checkpoint as pair_load
-from ..models.train_pair import save_checkpoint as pair_save
-from .cache import FeatureCache
-from .data import Windows, load_texts, streams
-from .heads import HEADS, DraftTrain, Eagle3Train, EagleTrain, MedusaTrain, TrainHead
+from specfx.drafters.heads.medusa import LAYOUTS as MEDUSA_LAYOUTS
+from specfx.train.pair import load_checkpoint as pair_load
+from specfx.train.pair import save_checkpoint as pair_save
+from specfx.train.cache import FeatureCache
+from specfx.train.data import Windows, load_texts, streams
+from specfx.train.heads import HEADS, DraftTrain, Eagle3Train, EagleTrain, MedusaTrain, TrainHead
 
 __all__ = ["TrainConfig", "train", "main"]
 
@@ -201,10 +201,10 @@ def evaluate(cfg: TrainConfig, model, head_dir: Path, kind: str, held) -> dict:
     """Held-out greedy τ and per-depth acceptance of the saved head, loaded back from
     ``head_dir`` as ``speculate()`` would, at each K and for a tree."""
     import specfx
-    from specfx.models.eagle import Eagle
-    from specfx.models.eagle3 import Eagle3
-    from specfx.models.local import load_causal_lm
-    from specfx.models.medusa import Medusa
+    from specfx.drafters.heads.eagle import Eagle
+    from specfx.drafters.heads.eagle3 import Eagle3
+    from specfx.model.load import load_causal_lm
+    from specfx.drafters.heads.medusa import Medusa
 
     cls = {
         "medusa": Medusa,
@@ -247,8 +247,8 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
     written to ``OUT/eval.json``."""
     from tqdm.auto import tqdm
 
-    from specfx.models.local import check_model_dir, load_causal_lm, load_tokenizer
-    from specfx.runner import ModelRunner
+    from specfx.model.load import check_model_dir, load_causal_lm, load_tokenizer
+    from specfx.model.runner import ModelRunner
 
     cfg.check()
     check_model_dir(cfg.target)

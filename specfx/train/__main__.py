@@ -2,6 +2,6 @@
 
 import sys
 
-from . import main
+from specfx.train import main
 
 sys.exit(main())

@@ -1,7 +1,7 @@
 """The heads as ``specfx train`` trains them: each a full-sequence, teacher-forced forward over
 a window of the target's features, with the loss its method defines. The trained modules are
-the drafters' own (:class:`~specfx.models.medusa.Medusa`, :class:`~specfx.models.eagle.Eagle`,
-:class:`~specfx.models.eagle3.Eagle3`), bound to the target's runner, so what is saved with
+the drafters' own (:class:`~specfx.drafters.heads.medusa.Medusa`, :class:`~specfx.drafters.heads.eagle.Eagle`,
+:class:`~specfx.drafters.heads.eagle3.Eagle3`), bound to the target's runner, so what is saved with
 their ``save()`` is exactly what ``speculate()`` runs. The target's embeddings and LM head are
 read detached: the target is never trained and its ``.grad`` never touched.
 
@@ -35,11 +35,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..masks import to_format, visible_slots
-from ..models.eagle import Eagle
-from ..models.eagle3 import Eagle3
-from ..models.medusa import Medusa
-from ..runner import ModelRunner
+from specfx.model.masks import to_format, visible_slots
+from specfx.drafters.heads.eagle import Eagle
+from specfx.drafters.heads.eagle3 import Eagle3
+from specfx.drafters.heads.medusa import Medusa
+from specfx.model.runner import ModelRunner
 
 __all__ = ["HEADS", "TrainHead", "MedusaTrain", "EagleTrain", "Eagle3Train", "DraftTrain"]
 
@@ -283,7 +283,7 @@ class DraftTrain(TrainHead):
     def __init__(self, runner: ModelRunner, init: str | None, seed: int, layers: int, hidden: int, tokenizer):
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        from ..models.local import load_causal_lm
+        from specfx.model.load import load_causal_lm
 
         model = runner.model
         if init is not None:

@@ -1,0 +1,2 @@
+"""The tasks of ``specfx bench``, one module each.
+"""

@@ -1,0 +1,2 @@
+"""The shipped demo pair (``specfx demo``) and its heads.
+"""

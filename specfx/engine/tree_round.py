@@ -1,0 +1,332 @@
+"""The token-tree round: draft a tree, verify every node in one target forward, walk it.
+
+Same contract as :func:`specfx.engine.chain_round.round_step` (fixed shapes, no host sync, per-row
+progress, finished rows carried along), with a :class:`~specfx.trees.types.TokenTree` of N nodes and
+depth D in place of a chain of K:
+
+1. the drafter proposes a token for every node (child ``r`` of a node is the drafter's
+   ``r``-th most likely token there: deterministic, so q is one-hot per child);
+2. one target forward over ``[pending, node 1, ..., node N]``: node ``n`` at position
+   ``L + depth[n]``, written to scratch slot ``L + n``, seeing the committed prefix and its own
+   ancestors (:func:`specfx.model.masks.visible_slots`);
+3. the walk (:func:`tree_accept`) from the root picks the accepted path and the token after
+   it;
+4. the accepted path's KV moves from its scratch slots to the committed slots
+   ``L + 1 .. L + m`` (target and drafter caches), so every cache is what it would be had the
+   model seen only the emitted tokens.
+
+A drafter may add a :class:`Branch` to the forward (lookahead decoding's Jacobi window): E
+more query tokens after the nodes, in scratch slots ``L + N + 1 .. L + N + E``, at the
+positions and with the visibility among themselves the branch gives (each also sees the
+committed prefix). No node sees a branch token and no branch token sees a node, so the
+verification's logits are the same with or without it; the branch's logits go to
+:meth:`~specfx.drafters.base.Drafter.observe_branch`, and its KV is never committed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specfx.model.masks import TreeView
+from specfx.engine.chain_round import RoundContext, commit, record, truncate
+from specfx.sampling.core import Mode, _emit, as_mode, sample_from, uniform
+from specfx.trees.types import DynamicTree, TokenTree, TreeTensors
+
+__all__ = [
+    "Branch",
+    "branch_view",
+    "draft_dynamic_tree",
+    "draft_levels",
+    "draft_tree",
+    "level_inputs",
+    "tree_accept",
+    "tree_round_step",
+    "tree_view",
+]
+
+_STREAM_TREE_ACCEPT = 1002
+_STREAM_TREE_RESIDUAL = 1003
+
+
+@dataclass
+class Branch:
+    """Extra query tokens of a tree round's target forward (see the module docstring)."""
+
+    ids: torch.Tensor  # [B, E] tokens
+    depth: torch.Tensor  # [E] int64, position offsets from the pending token (>= 1)
+    sees: torch.Tensor  # [E, E] bool, sees[e, f]: token e attends to token f (itself included)
+
+
+def branch_view(lengths: torch.Tensor, tree: TreeTensors, branch: Branch) -> TreeView:
+    """The mask description of a forward over the root, the N nodes of ``tree`` and then the
+    E tokens of ``branch``: the tree's visibility and the branch's, block-diagonal (neither
+    sees the other; both see the committed prefix and the root)."""
+    r, n1 = tree.depth.shape
+    e = branch.depth.shape[0]
+    device = tree.depth.device
+    depth = torch.cat([tree.depth, branch.depth.view(1, e).expand(r, e)], dim=1)
+    top = torch.cat([tree.ancestors, torch.zeros((r, n1, e), dtype=torch.bool, device=device)], dim=2)
+    low = torch.cat([torch.zeros((r, e, n1), dtype=torch.bool, device=device), branch.sees.expand(r, e, e)], dim=2)
+    return TreeView(lengths, depth, torch.cat([top, low], dim=1), tuple(range(n1 + e)))
+
+
+def draft_tree(ctx, root_logits: torch.Tensor, step) -> torch.Tensor:
+    """Fill every node of ``ctx.token_tree`` level by level: the children of the nodes at depth
+    ``d`` are the top-ranked tokens of their processed draft scores. ``root_logits [B, 1, V]``
+    are the draft's logits at the pending token; ``step(queries, tokens) -> logits [B, T, V]``
+    runs the drafter on the nodes ``queries`` (indices 1..N of one depth, those with children)
+    given ``tokens [B, N+1]`` (the pending token, then the nodes drafted so far; 0 elsewhere).
+    Returns the node tokens ``[B, N]``."""
+    tree = ctx.token_tree
+    parents, ranks = tree.parents, tree.ranks
+    pending = ctx.tokens.gather(1, ctx.lengths.unsqueeze(1))  # [B, 1]
+    columns: list[torch.Tensor | None] = [pending] + [None] * tree.size
+    zero = torch.zeros_like(pending)
+
+    def drafted() -> torch.Tensor:  # [B, N+1]: the pending token, the nodes so far, 0 elsewhere
+        return torch.cat([c if c is not None else zero for c in columns], dim=1)
+
+    def expand(queries: tuple[int, ...], logits: torch.Tensor) -> None:
+        scores = ctx.process_nodes(logits, queries, drafted())  # [B, T, V]
+        children = [[m for m in range(1, tree.size + 1) if parents[m] == q] for q in queries]
+        width = 1 + max(ranks[m - 1] for kids in children for m in kids)
+        top = scores.topk(width, dim=-1).indices  # [B, T, width]
+        for t, kids in enumerate(children):
+            for m in kids:
+                columns[m] = top[:, t, ranks[m - 1] : ranks[m - 1] + 1]
+
+    expand((0,), root_logits)
+    for queries in draft_levels(tree):
+        expand(queries, step(queries, drafted()))
+    return torch.cat(columns[1:], dim=1)
+
+
+def draft_dynamic_tree(ctx, root_logits: torch.Tensor, root_state: torch.Tensor, step):
+    """Grow this round's EAGLE-2 tree (``ctx.token_tree``, a :class:`~specfx.trees.types.DynamicTree`
+    of budget N, depth D, branching k) per row, and return ``(tokens [B, N], parents [B, N+1])``:
+    the node tokens and each node's parent (0 = the root), parents before children.
+
+    ``root_logits [B, 1, V]`` are the draft's logits at the pending token and ``root_state [B,
+    1, S]`` what its children read (an EAGLE head's output there). ``step(ids, states,
+    positions, slots, view) -> (logits [B, k, V], states [B, k, S])`` runs the drafter on the k
+    nodes expanded at one depth d (1..D-1): their tokens ``ids [B, k]``, their parents' states,
+    at position ``L + d``, in scratch slots ``L + f`` where f = (d-1)k+1 .. dk numbers the
+    expanded nodes, with ``view`` (a :class:`~specfx.model.masks.TreeView` over the expanded nodes,
+    per-row tables) showing each the committed prefix and its own expanded ancestors.
+
+    Scores are the draft's raw log-probabilities (no temperature or warpers), summed along a
+    path; the tree is fixed before verification and every node is a deterministic choice, so
+    any such rule keeps sampling lossless. Ties go to the earlier candidate (a stable sort), so
+    a parent always outranks its children and the N chosen form a tree."""
+    spec: DynamicTree = ctx.token_tree
+    k, depth, n = spec.branching, spec.depth, spec.size
+    b = root_logits.shape[0]
+    device = root_logits.device
+    lengths = ctx.lengths.unsqueeze(1)  # [B, 1]
+    score, token = root_logits[:, 0].float().log_softmax(-1).topk(k, dim=-1)  # [B, k] depth 1
+    tokens, scores = [token], [score]
+    parents = [torch.zeros((b, k), dtype=torch.long, device=device)]  # candidate ids, 0 = the root
+    # the expanded nodes ("frontier"), k per depth 1..D-1, numbered f = 1..(D-1)k; their tables
+    expanded = (depth - 1) * k
+    f_depth = torch.tensor([0] + [d for d in range(1, depth) for _ in range(k)], device=device).unsqueeze(0)
+    f_anc = torch.eye(expanded + 1, dtype=torch.bool, device=device).expand(b, -1, -1)
+    f_cand = torch.arange(1, k + 1, device=device).expand(b, k)  # candidate id of each frontier node
+    f_parent = torch.zeros((b, k), dtype=torch.long, device=device)  # its parent's frontier number
+    f_token, f_score = token, score
+    f_state = root_state.expand(b, k, root_state.shape[-1])
+    next_id = k + 1  # the first candidate id of the next depth
+    for d in range(1, depth):
+        level = tuple(range((d - 1) * k + 1, d * k + 1))
+        rows = torch.tensor(level, device=device)
+        own = torch.arange(expanded + 1, device=device) == rows.view(1, k, 1)  # [1, k, F+1]: itself
+        inherited = f_anc.gather(1, f_parent.unsqueeze(-1).expand(b, k, expanded + 1))  # its parent's row
+        f_anc = f_anc.index_copy(1, rows, inherited | own)
+        view = TreeView(ctx.lengths, f_depth, f_anc, level)
+        logits, out = step(f_token, f_state, (lengths + d).expand(b, k), lengths + rows, view)
+        child_score, child = logits.float().log_softmax(-1).topk(k, dim=-1)  # [B, k, k]
+        cum = (f_score.unsqueeze(-1) + child_score).reshape(b, k * k)
+        child = child.reshape(b, k * k)
+        tokens.append(child)
+        scores.append(cum)
+        parents.append(f_cand.unsqueeze(-1).expand(b, k, k).reshape(b, k * k))
+        if d < depth - 1:  # the next frontier: the k best of these k * k
+            f_score, pick = cum.topk(k, dim=-1)  # [B, k]
+            f_token = child.gather(1, pick)
+            f_cand = next_id + pick
+            f_parent = rows[pick // k]  # frontier numbers of their parents
+            f_state = out.gather(1, (pick // k).unsqueeze(-1).expand(-1, -1, out.shape[-1]))
+        next_id += k * k
+    token, score, parent = torch.cat(tokens, dim=1), torch.cat(scores, dim=1), torch.cat(parents, dim=1)  # [B, M]
+    best = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :n]
+    chosen = best.sort(dim=1).values  # candidate order: depths in order, parents first
+    # node number of each candidate id (0: the root, or not chosen)
+    node_of = torch.zeros((b, token.shape[1] + 1), dtype=torch.long, device=device)
+    node_of = node_of.scatter(1, chosen + 1, torch.arange(1, n + 1, device=device).expand(b, n))
+    node_parent = node_of.gather(1, parent.gather(1, chosen))  # [B, N]
+    zero = torch.zeros((b, 1), dtype=torch.long, device=device)
+    return token.gather(1, chosen), torch.cat([zero, node_parent], dim=1)
+
+
+def draft_levels(tree: TokenTree) -> list[tuple[int, ...]]:
+    """The ``queries`` of each ``step`` :func:`draft_tree` makes after the root, in order: for
+    each depth d = 1..D-1, the nodes of depth d that have children (depths without any are
+    skipped). A drafter that prepares per-shape state (captured graphs) for a tree needs these."""
+    levels = (tuple(n for n in tree.level(d) if tree.has_children(n)) for d in range(1, tree.depth))
+    return [q for q in levels if q]
+
+
+def level_inputs(ctx, queries: tuple[int, ...], tokens: torch.Tensor):
+    """A drafter forward's ``(ids, positions, slots)``, ``[B, T]`` each, over the nodes
+    ``queries`` of this round's tree given ``tokens [B, N+1]`` (as :func:`draft_tree`'s step
+    receives them): node n's token, at position ``L + depth[n]`` in scratch slot ``L + n``."""
+    lengths = ctx.lengths.unsqueeze(1)  # [B, 1]
+    q = torch.tensor(queries, device=tokens.device)
+    return tokens[:, q], lengths + ctx.tree.depth[:, q], lengths + q
+
+
+def tree_view(ctx, queries: tuple[int, ...]) -> TreeView:
+    """The mask description of a forward over the nodes ``queries`` of this round's tree."""
+    t = ctx.tree
+    return TreeView(ctx.lengths, t.depth, t.ancestors, queries)
+
+
+def tree_accept(
+    scores: torch.Tensor,  # [B, N+1, V] processed target scores at the root and every node
+    tokens: torch.Tensor,  # [B, N+1] the pending token, then the node tokens
+    tree: TreeTensors,
+    sample: bool,
+    u_accept: torch.Tensor | None = None,  # [B, N] uniforms, one per node (sampling)
+    u_residual: torch.Tensor | None = None,  # [B, V] uniforms (sampling)
+):
+    """Walk the tree from the root; returns ``(stop [B], last [B], probs [B, N+1, V] | None)``:
+    the deepest accepted node (0 = none accepted), the token emitted after the accepted path,
+    and the target's probabilities (sampling).
+
+    Greedy: at each node take the first child (in rank order) equal to the target's argmax
+    there; ``last`` is the argmax at the stop node.
+
+    Sampling (multi-candidate speculative sampling with one-hot proposals, as in SpecInfer):
+    at a node with target distribution p, try its children in order; child c is accepted with
+    probability p'(c), where p' is p with the children rejected so far at this node set to 0
+    and renormalised; after an acceptance the walk continues at c with c's own distribution.
+    If every child is rejected (or the node is a leaf) ``last`` is sampled from p' (p with
+    all of the node's children removed). Each token's total probability at a node is then
+    exactly p(token): c1 is emitted with p(c1); c2 with (1 - p(c1)) * p(c2) / (1 - p(c1)); and
+    a token that is no child with (1 - sum p(children)) * p(x) / (1 - sum p(children)).
+    A token proposed twice under one node is rejected on its second try (p' is 0 there).
+
+    The walk is one pass over the nodes in index order: node n is tried iff its parent is the
+    current node, which holds because parents precede children and siblings are in rank order.
+    """
+    b, n1, v = scores.shape
+    parent = tree.parent.expand(b, -1)[:, 1:]  # [B, N]
+    node_tokens = tokens[:, 1:]  # [B, N]
+    cur = torch.zeros(b, dtype=torch.long, device=scores.device)
+    if not sample:
+        best = scores.argmax(dim=-1)  # [B, N+1]
+        hit = node_tokens == best.gather(1, parent)  # [B, N]
+        for n in range(1, n1):
+            cur = torch.where((parent[:, n - 1] == cur) & hit[:, n - 1], n, cur)
+        return cur, best.gather(1, cur.unsqueeze(1)).squeeze(1), None
+    p = scores.softmax(dim=-1)  # [B, N+1, V]
+    p_node = p.reshape(b, n1 * v).gather(1, parent * v + node_tokens)  # [B, N]: p(token) at its parent
+    earlier = torch.ones(n1 - 1, n1 - 1, dtype=torch.bool, device=scores.device).tril(-1)
+    dup = ((parent.unsqueeze(2) == parent.unsqueeze(1)) & (node_tokens.unsqueeze(2) == node_tokens.unsqueeze(1)) & earlier).any(-1)
+    p_node = torch.where(dup, 0.0, p_node)
+    rejected = torch.zeros(b, dtype=p.dtype, device=scores.device)  # mass rejected at the current node
+    for n in range(1, n1):
+        tried = parent[:, n - 1] == cur
+        pn = p_node[:, n - 1]
+        accept = tried & (u_accept[:, n - 1] * (1 - rejected) < pn)  # u < p(c) / (1 - rejected), strict
+        cur = torch.where(accept, n, cur)
+        rejected = torch.where(accept, 0.0, torch.where(tried, rejected + pn, rejected))
+    at_stop = p.gather(1, cur.view(b, 1, 1).expand(b, 1, v)).squeeze(1)  # [B, V]
+    kids = (parent == cur.unsqueeze(1)).to(p.dtype)  # [B, N]: all tried and rejected
+    removed = torch.zeros_like(at_stop).scatter_add(1, node_tokens, kids) > 0
+    residual = at_stop.masked_fill(removed, 0.0)
+    # rounding can leave nothing (the children held all the mass): then no child was rejected
+    # in exact arithmetic, and sampling p changes no probability
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, at_stop)
+    return cur, sample_from(residual, u_residual), p
+
+
+def tree_round_step(target, drafter, state, tree: TokenTree | DynamicTree, vocab: int, sample: Mode | bool, collect: bool = False):
+    """One token-tree round for every row (see the module docstring). With a
+    :class:`~specfx.trees.types.DynamicTree` the drafter also chooses each row's tree
+    (:meth:`~specfx.drafters.base.Drafter.propose_dynamic_tree`), and its tables replace the static
+    ones for verification, the walk and compaction.
+
+    Returns tokens ``[B, D+1]`` (emitted, PLACEHOLDER past ``n_emitted``) and n_emitted ``[B]``;
+    with ``collect`` also the processed scores and raw logits each emitted token was chosen
+    from, ``[B, D+1, V]`` each (the root's, then the accepted path's nodes').
+    """
+    s = state
+    mode = as_mode(sample)
+    sample = mode.sample
+    s.counter.add_(1)
+    ctx = RoundContext(s, tree.size, vocab, mode, tree=tree)
+    n, d = tree.size, tree.depth
+    b = s.tokens.shape[0]
+    active = ~s.finished
+    lengths = s.lengths
+
+    if isinstance(tree, DynamicTree):
+        proposals, parents = drafter.propose_dynamic_tree(ctx)  # [B, N], [B, N+1]
+        ctx.tree = TreeTensors.from_parents(parents, d)
+    else:
+        proposals = drafter.propose_tree(ctx)  # [B, N], or with per-row parents [B, N+1]
+        if isinstance(proposals, tuple):
+            proposals, parents = proposals
+            ctx.tree = TreeTensors.from_parents(parents, d)
+    tt = ctx.tree
+    pending = s.tokens.gather(1, lengths.unsqueeze(1))  # [B, 1]
+    ids = torch.cat([pending, proposals], dim=1)  # [B, N+1]
+    nodes = tuple(range(n + 1))
+    pos = lengths.unsqueeze(1) + tt.depth  # [B, N+1]
+    branch = drafter.branch(ctx)
+    if branch is None:
+        forward_ids, forward_pos, view = ids, pos, tree_view(ctx, nodes)
+    else:  # the branch's tokens after the nodes, in the slots after theirs
+        forward_ids = torch.cat([ids, branch.ids], dim=1)
+        forward_pos = torch.cat([pos.expand(b, -1), lengths.unsqueeze(1) + branch.depth], dim=1)
+        view = branch_view(lengths, tt, branch)
+    slots = lengths.unsqueeze(1) + torch.arange(forward_ids.shape[1], device=ids.device)  # [B, N+1(+E)]
+    verified = target.forward(forward_ids, forward_pos, slots, tree=view, taps=drafter.taps)
+    logits, features = verified if drafter.taps else (verified, None)
+    if branch is not None:
+        drafter.observe_branch(ctx, logits[:, :1], logits[:, n + 1 :])
+        logits = logits[:, : n + 1]
+    scores = ctx.process_nodes(logits, nodes, ids)
+    u_accept = u_residual = None
+    if sample:
+        u_accept = uniform(s.seed, s.counter, _STREAM_TREE_ACCEPT, (b, n))
+        u_residual = uniform(s.seed, s.counter, _STREAM_TREE_RESIDUAL, (b, vocab))
+    stop, last, p = tree_accept(scores, ids, tt, sample, u_accept, u_residual)
+    path = tt.path.expand(b, -1, -1).gather(1, stop.view(b, 1, 1).expand(b, 1, d + 1)).squeeze(1)  # [B, D+1]
+    n_accepted = tt.depth.expand(b, -1).gather(1, stop.unsqueeze(1)).squeeze(1)  # [B]
+    out = _emit(ids.gather(1, path)[:, 1:], n_accepted, last)  # [B, D+1]
+
+    out, n_emit, emitted, done = truncate(s, out, n_accepted, active)
+    if sample:
+        at_path = p.gather(1, path.unsqueeze(-1).expand(-1, -1, vocab))  # [B, D+1, V]
+        s.invalid.copy_(s.invalid | (at_path.isnan().any(dim=-1) & emitted).any(dim=1))
+
+    # The accepted path's KV: scratch slots L + path[i] -> committed slots L + i (i = 1..m).
+    depth_ids = torch.arange(1, d + 1, device=ids.device).unsqueeze(0)  # [1, D]
+    moved = depth_ids <= torch.where(active, n_accepted, 0).unsqueeze(1)
+    dst = lengths.unsqueeze(1) + depth_ids
+    src = torch.where(moved, lengths.unsqueeze(1) + path[:, 1:], dst)
+    target.cache.move(src, dst)
+    drafter.commit_tree(src, dst)
+    at = lengths.unsqueeze(1) + torch.arange(d + 1, device=ids.device)  # [B, D+1], before commit() moves lengths
+    commit(s, out, n_emit, emitted, done)
+    if features is not None:  # the accepted path's features, the node at depth i in column i (now at slot L + i)
+        along = path.unsqueeze(-1)
+        drafter.observe(ctx, tuple(f.gather(1, along.expand(-1, -1, f.shape[-1])) for f in features), at, at)
+    record(s, active, n, n_accepted, n_emit, d)
+    if collect:
+        take = path.unsqueeze(-1).expand(-1, -1, vocab)
+        return out, n_emit, scores.gather(1, take), logits.float().gather(1, take)
+    return out, n_emit

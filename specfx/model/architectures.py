@@ -1,0 +1,309 @@
+"""The architecture conformance table: what specfx supports, per HF model type.
+
+The engine has no per-architecture code: :class:`specfx.model.runner.ModelRunner` drives every model
+through the same hooks (``cache.update`` on the cache argument, a 4-D mask or a dict of them keyed by
+``config.layer_types``, ``position_ids``) and refuses, at ``speculate()``, models whose state it
+cannot roll back. This table is *declarative*: it records what was verified for each model type
+and what makes the architecture interesting, and the conformance tests
+(``tests/conformance/test_conformance.py``) are generated from it. An architecture missing from the
+table that follows the conventions works anyway; ``python -m specfx.model.architectures
+--sweep`` checks every causal LM type transformers ships and prints the rows to add.
+
+A row may hold only where the installed implementation is causal (``ArchSpec.if_causal``): transformers
+5.17's BigBird, MegatronBert and RemBert attend to later tokens even as decoders. Whether it is
+is read off the installed implementation itself (:func:`decodes_incrementally`, HF's own cached
+decoding against its full forward), never off a version number; :func:`supported` leaves such a
+row out where it is not, and ``speculate()`` refuses the model there (the incremental-decoding
+probe).
+
+The engine reads one declaration from here, for failures nothing in the config or graph
+reveals: the ``unsupported`` status (``speculate()`` refuses such a model with the recorded
+reason rather than risk wrong tokens).
+
+Statuses:
+    supported   greedy output equals ``model.generate()`` (fp32, batch 1 and a left-padded
+                batch, generating past the sliding window where there is one), as target and
+                as draft; sampling runs.
+    refused     ``speculate()`` raises a ValueError naming the reason (recurrent or
+                linear-attention state, no KV cache, or the incremental-decoding probe: the
+                model's logits through specfx's cache, mask and positions differ from its
+                full forward, e.g. bidirectional heads, positions taken from the cache length,
+                windows cut from the buffer length; see :mod:`specfx.model.admission`).
+    unsupported known not to work yet; ``reason`` says why, and ``speculate()`` raises it (a
+                declared refusal, for failures no generic check catches).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+__all__ = [
+    "ARCHITECTURES",
+    "ArchSpec",
+    "COMPILED_SUBSET",
+    "REPRESENTATIVE",
+    "decodes_incrementally",
+    "installed",
+    "supported",
+    "sweep",
+]
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """One row: status, what the architecture exercises, and tiny-config overrides.
+    ``if_causal``: supported only where the installed implementation decodes incrementally
+    (:func:`decodes_incrementally`); elsewhere refused by the probe and left out of :func:`supported`."""
+
+    status: str
+    features: str = ""
+    reason: str = ""
+    overrides: dict = field(default_factory=dict)
+    if_causal: bool = False
+
+
+def _s(features: str = "", **overrides) -> ArchSpec:
+    return ArchSpec("supported", features, overrides=overrides)
+
+
+def _r(reason: str, **overrides) -> ArchSpec:
+    return ArchSpec("refused", reason=reason, overrides=overrides)
+
+
+def _u(reason: str) -> ArchSpec:
+    return ArchSpec("unsupported", reason=reason)
+
+
+_STATE = "recurrent/linear-attention state (refused by speculate())"
+
+ARCHITECTURES: dict[str, ArchSpec] = {
+    # --- the issue's required set
+    "llama": _s("RoPE, GQA"),
+    "mistral": _s("sliding window on every layer"),
+    "qwen2": _s("QKV bias"),
+    "qwen3": _s("QK norm"),
+    "gemma": _s("scaled embeddings, GeGLU"),
+    "gemma2": _s("logit softcapping, alternating sliding/full layers (dict masks), eager attention"),
+    "phi3": _s("fused QKV, sliding window"),
+    "gpt2": _s("learned absolute positions, Conv1D"),
+    "gpt_neox": _s("partial rotary, parallel residual"),
+    "opt": _s("learned positions with offset 2"),
+    "falcon": _s("multi-query attention, parallel attention/MLP"),
+    "stablelm": _s("partial rotary, LayerNorm"),
+    "bloom": _s("ALiBi built from a 2-D padding mask: the rowwise protocol the probe falls back to"),
+    "mixtral": _s("mixture of experts, sliding window"),
+    "qwen2_moe": _s("mixture of experts with shared expert"),
+    # --- further decoder-only attention architectures verified by the sweep
+    **{
+        name: _s()
+        for name in (
+            "afmoe apertus arcee aria_text beam biogpt bitnet codegen cohere cohere2 cohere2_moe ctrl cwm "
+            "diffllama doge ernie4_5 exaone4 exaone_moe flex_olmo flint gemma3_text gemma4_unified_text glm "
+            "glm4 glm4_moe gpt-sw3 gpt_bigcode gpt_neox_japanese gpt_oss gptj granite granite_swa granitemoe "
+            "granitemoe_swa granitemoeshared helium hunyuan_v1_dense hunyuan_v1_moe hy_v3 hyperclovax "
+            "internlm3 iquestcoder jais2 jetmoe kolibri1 laguna lfm2 llama4_text mellum mimo_v2_flash "
+            "minimax_m2 minimax_m3_vl_text ministral ministral3 modernbert-decoder nanochat nemotron olmo "
+            "olmo2 olmo3 olmoe persimmon phi phimoe qwen3_moe seed_oss smollm3 solar_open starcoder2 "
+            "vaultgemma xglm"
+            # new in transformers 5.24
+            " apertus1p5_text exaone sarvam_moe"
+        ).split()
+    },
+    "dory": _s(
+        "looped recurrent-depth layers: one cache copy per loop, appended by the model's own forward "
+        "(specfx allocates every cache layer the forward writes up front)",
+        num_hidden_layers=3,  # 1 input, 1 recurrent (run twice), 1 output layer
+        n_input_layers=1,
+        n_output_layers=1,
+    ),
+    "mpt": _s("ALiBi"),
+    # multi-head latent attention (MLA): KV heads = query heads, as in the real checkpoints
+    **{
+        name: _s("multi-head latent attention", num_key_value_heads=4, head_dim=8)
+        for name in ("deepseek_v2 deepseek_v3 minicpm3 glm4_moe_lite youtu sarvam_mla").split()
+    },
+    # BERT-family LM heads are causal only with is_decoder=True (TINY_SIZES sets it); with
+    # is_decoder=False they attend bidirectionally and speculate() refuses them.
+    **{
+        name: _s("encoder used as a decoder (is_decoder=True)")
+        for name in (
+            "roc_bert bert bert-generation camembert data2vec-text electra ernie roberta roberta-prelayernorm "
+            "xlm-roberta xlm-roberta-xl"
+        ).split()
+    },
+    # transformers 5.17's BigBird, MegatronBert and RemBert build a bidirectional mask even with
+    # is_decoder=True (5.18 made them causal): their forward attends to later tokens, so HF's own
+    # generate() (the prompt in one forward, then a token at a time) neither equals its forward
+    # nor can be reproduced by any incremental decoding; the probe refuses them there.
+    **{
+        name: ArchSpec(
+            "supported",
+            "encoder used as a decoder (is_decoder=True); supported where the installed implementation is "
+            "causal as a decoder (transformers 5.17's attends to later tokens even then: refused there)",
+            if_causal=True,
+        )
+        for name in ("big_bird", "megatron-bert", "rembert")
+    },
+    # --- refused with a clear error
+    **{
+        name: _r(_STATE)
+        for name in (
+            "bamba bailing_hybrid falcon_h1 falcon_mamba granitemoehybrid jamba kimi_linear lfm3 mamba mamba2 "
+            "nemotron_h olmo_hybrid qwen3_5_text qwen3_5_moe_text qwen3_next qwen4_exp_text recurrent_gemma "
+            "rwkv xlstm zamba zamba2 deepseek_v4 lara_mini"
+        ).split()
+    },
+    "minimax": _r("linear-attention layers (config.layer_types)"),
+    "hy_v4": _r("sparse indexed-attention layers (config.layer_types)"),
+    "inkling_text": _r("hybrid_sliding layers (config.layer_types)"),
+    "inkling2_text": _r("hybrid_sliding layers (config.layer_types)"),
+    "inkling2_loop_text": _r("hybrid_sliding layers (config.layer_types)"),
+    **{
+        name: _r("derives positions from the cache length, not position_ids (caught by the incremental-decoding probe)")
+        for name in ("mvp", "trocr", "roformer", "bart", "mbart", "marian", "pegasus", "bigbird_pegasus")
+    },
+    "gpt_neo": _r(
+        "local-attention window cut from the cache's key length (the buffer capacity), not from "
+        "position_ids (caught by the incremental-decoding probe at the generator's capacity)",
+        attention_types=[[["global", "local"], 1]],  # one entry per layer of the tiny config
+        max_position_embeddings=1024,  # room for a probe past its window of 256
+    ),
+    "hrm_text": _r(
+        "its logits at a position depend on the tokens after it in the same forward (its full "
+        "forward on a prefix differs from the prefix of its full forward, by ~1% of the logits' scale), "
+        "so no incremental decoding reproduces it (caught by the incremental-decoding probe)"
+    ),
+    "moshi": _r(
+        "its forward ignores config.sliding_window (full causal mask) while its generate() cache "
+        "windows to it, so no incremental path matches both (caught by the incremental-decoding probe)"
+    ),
+    "openai-gpt": _r("no KV cache (forward takes no cache argument)"),
+    "xlnet": _r("no KV cache (forward takes no cache argument)"),
+    # --- not yet
+    "blenderbot-small": _u("its generation config forces EOS (forced_eos_token_id), which specfx does not implement"),
+    "gemma3n_text": _u("layers share KV across layers (KV-sharing layers write no cache)"),
+}
+
+# Compiled (one round graph, fullgraph) in CI: one per graph feature that eager tests cannot
+# vouch for (dict masks + softcapping + eager attention; mixture-of-experts routing; the
+# rowwise 2-D-mask protocol).
+COMPILED_SUBSET = ("gemma2", "mixtral", "bloom")
+
+# The default test tier's architectures (``--full`` runs every supported one): the required
+# set, then one per mechanism the rest add: latent attention (deepseek_v3), an encoder used as a
+# decoder (bert), ALiBi from slots (mpt), local/global layers with their own rope (gemma3_text),
+# chunked attention (llama4_text), attention sinks (gpt_oss), layers without rope (cohere2),
+# looped layers appending cache layers (dory).
+REPRESENTATIVE = (
+    "llama mistral qwen2 qwen3 gemma gemma2 phi3 gpt2 gpt_neox opt falcon stablelm bloom mixtral qwen2_moe "
+    "deepseek_v3 bert mpt gemma3_text llama4_text gpt_oss cohere2 dory"
+).split()
+
+
+def installed(name: str) -> bool:
+    """Whether the installed transformers ships model type ``name`` (the table also lists types
+    of newer releases than the declared minimum)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return name in CONFIG_MAPPING_NAMES
+
+
+def supported() -> list[str]:
+    """Supported model types that the installed transformers ships, less the ``if_causal`` rows
+    whose installed implementation does not decode incrementally (their tiny model is checked)."""
+    return [
+        name
+        for name, spec in ARCHITECTURES.items()
+        if spec.status == "supported" and installed(name) and (not spec.if_causal or _tiny_decodes_incrementally(name))
+    ]
+
+
+@functools.cache
+def _tiny_decodes_incrementally(name: str) -> bool:
+    from specfx.testing.tiny import tiny_causal_lm
+
+    return decodes_incrementally(tiny_causal_lm(name, **ARCHITECTURES[name].overrides))
+
+
+def decodes_incrementally(model, length: int = 12) -> bool:
+    """Whether ``model``'s own incremental decoding, one token at a time through its own cache as
+    HF's ``generate()`` runs it, gives the logits of its full forward over the same ``length``
+    tokens (within the probe's tolerance). False for a forward that attends to later tokens (an
+    encoder head, or a decoder whose installed implementation builds a bidirectional mask): no
+    incremental path, HF's nor specfx's, reproduces such a model. Only HF's hooks are used here;
+    specfx's own path is the probe's business (:mod:`specfx.model.admission`)."""
+    import torch
+
+    from specfx.model.hf_names import cache_kwarg, output_cache
+    from specfx.model.admission import compare_rows, full_logits, probe_tokens
+
+    seq = probe_tokens(length, model.config.get_text_config().vocab_size, model.device)
+    name = cache_kwarg(model)
+    cache, steps = None, []
+    with torch.no_grad():
+        full = full_logits(model, seq)  # [L, V]
+        for t in range(length):
+            out = model(input_ids=seq[t : t + 1].unsqueeze(0), use_cache=True, **({name: cache} if t else {}))
+            cache = output_cache(out)
+            steps.append(out.logits[0, -1].float())
+    return compare_rows(torch.stack(steps), full, model.dtype) is None
+
+
+def sweep(model_types=None, max_new_tokens: int = 40) -> list[tuple[str, str]]:
+    """Check model types (default: every causal LM type transformers ships) in eager mode:
+    greedy equality with ``model.generate()`` at batch 1 and for a left-padded batch, with a
+    perturbed copy as draft. Returns ``(model_type, result)`` rows."""
+    import torch
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    import specfx
+
+    from specfx.testing.tiny import perturbed_copy, tiny_causal_lm, tiny_config
+
+    rows = []
+    for mt in model_types or list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        spec = ARCHITECTURES.get(mt, ArchSpec("unknown"))
+        try:
+            cfg = tiny_config(mt, **spec.overrides)
+            with torch.device("meta"):
+                from transformers import AutoModelForCausalLM
+
+                n = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+            if n > 30e6:
+                rows.append((mt, f"skipped: tiny config still has {n / 1e6:.0f}M parameters"))
+                continue
+            target = tiny_causal_lm(mt, **spec.overrides)
+            spec_gen = specfx.speculate(
+                target, draft=perturbed_copy(target, 0.03), num_speculative_tokens=3, compile=False
+            )
+            g = torch.Generator().manual_seed(0)
+            ids = torch.randint(3, 128, (3, 10), generator=g)
+            mask = torch.ones_like(ids)
+            mask[0, :4] = 0
+            mask[1, :2] = 0
+            ids = ids.masked_fill(mask == 0, 0)
+            results = []
+            for x, m in ((ids[2:], None), (ids, mask)):
+                kw = dict(max_new_tokens=max_new_tokens, do_sample=False, attention_mask=m)
+                same = torch.equal(spec_gen.generate(x, **kw), target.generate(x, **kw))
+                results.append("equal" if same else "DIFFERENT")
+            rows.append((mt, f"batch 1 {results[0]}, padded batch {results[1]}"))
+        except Exception as e:  # a sweep reports every failure and goes on
+            rows.append((mt, f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"))
+    return rows
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sweep", action="store_true", help="check every causal LM type transformers ships")
+    parser.add_argument("types", nargs="*", help="model types to check (default: all)")
+    args = parser.parse_args()
+    if not (args.sweep or args.types):
+        for name, spec in ARCHITECTURES.items():
+            print(f"{name:24s} {spec.status:12s} {spec.features or spec.reason}")
+    else:
+        for mt, result in sweep(args.types or None):
+            print(f"{mt:28s} {ARCHITECTURES.get(mt, ArchSpec('not in table')).status:12s} {result}", flush=True)

@@ -1,0 +1,111 @@
+"""Static KV storage written at per-row slots held in device tensors.
+
+specfx hands the model an HF ``Cache`` (the stable hook every decoder in transformers calls
+as ``cache.update(k, v, layer_idx)``, passed as ``cache``, or ``past_key_values`` before
+transformers 5.24) whose layers own preallocated buffers::
+
+    keys, values   # [B, kv_heads, capacity, head_dim] per layer, allocated once
+
+Before each forward the runtime sets ``cache.slots`` to a ``[B, T]`` int64 tensor: the buffer
+slot each of the T new tokens of each row is written to (slot == position, except padding,
+which goes to the never-visible *trash slot* ``capacity - 1``). ``update`` scatters the new
+keys/values there in place and returns the whole buffers; the explicit 4-D mask decides what
+each query sees. Rejected proposals are never cropped: a later round overwrites their slots
+and the mask hides them until then.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from specfx.model.dynamo import mark_static
+
+__all__ = ["SlotCache", "SlotLayer"]
+
+
+class SlotLayer(CacheLayerMixin):
+    """One layer's static buffers, allocated lazily on the first (eager) prefill."""
+
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, owner: SlotCache):
+        super().__init__()
+        self.owner = owner
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        _, h, _, _ = key_states.shape
+        b, cap = self.owner.rows.shape[0], self.owner.capacity  # all rows, even from a one-row forward
+        self.keys = key_states.new_zeros((b, h, cap, key_states.shape[-1]))  # [B, H, C, Dk]
+        self.values = value_states.new_zeros((b, h, cap, value_states.shape[-1]))  # [B, H, C, Dv]
+        mark_static(self.keys, self.values)  # written in place by every round
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        slots = self.owner.slots  # [B, T]
+        rows = self.owner.rows  # [B, 1]
+        # buffer[b, :, slots[b, t]] = new[b, :, t]; advanced indices first -> value is [B, T, H, D]
+        row = self.owner.row
+        if row is not None:  # one row at a time (ModelRunner's rowwise protocol)
+            rows = rows[row : row + 1]
+        self.keys[rows, :, slots] = key_states.transpose(1, 2).to(self.keys.dtype)
+        self.values[rows, :, slots] = value_states.transpose(1, 2).to(self.values.dtype)
+        if row is not None:
+            return self.keys[row : row + 1], self.values[row : row + 1]
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.capacity, 0
+
+    def get_seq_length(self) -> int:
+        # Lengths are per row and live on the device; HF only asks this when no position_ids
+        # are given, and specfx always gives them.
+        return 0
+
+    def get_max_length(self) -> int:
+        return self.owner.capacity
+
+
+class SlotCache(Cache):
+    """An HF ``Cache`` of :class:`SlotLayer` s sharing one slot tensor.
+
+    Attributes:
+        capacity: slots per row; the last one is the trash slot for padding.
+        slots: ``[B, T]`` int64, where the current forward writes each new token.
+        rows: ``[B, 1]`` int64, ``arange(B)`` for the scatter.
+        row, query_offset: the row and first query position of a one-row forward (the
+            rowwise protocol for models that need a 2-D mask; None/unused otherwise).
+    """
+
+    def __init__(self, num_layers: int, batch_size: int, capacity: int, device: torch.device):
+        self.capacity = capacity
+        super().__init__(layers=[SlotLayer(self) for _ in range(num_layers)])
+        self.rows = torch.arange(batch_size, device=device).unsqueeze(1)
+        self.slots = torch.zeros((batch_size, 1), dtype=torch.long, device=device)
+        self.row: int | None = None  # set: forwards see only this row (rowwise protocol)
+        self.query_offset = torch.zeros((), dtype=torch.long, device=device)
+
+    def get_query_offset(self, layer_idx: int = 0) -> torch.Tensor:
+        """Position of the first query of the current forward (rowwise protocol: transformers
+        builds the causal mask from it; with explicit 4-D masks it is never asked)."""
+        return self.query_offset
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every layer's KV at slots ``src [B, M]`` to ``dst [B, M]`` of the same rows, in
+        place (all reads before any write, so the two may overlap): a token tree's accepted
+        path moves from its scratch slots to the committed ones."""
+        for layer in self.layers:
+            if layer.is_initialized:
+                for buf in (layer.keys, layer.values):
+                    buf[self.rows, :, dst] = buf[self.rows, :, src]
+
+    @property
+    def trash_slot(self) -> int:
+        return self.capacity - 1
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.keys.nbytes + layer.values.nbytes for layer in self.layers if layer.is_initialized)

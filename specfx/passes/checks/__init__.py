@@ -1,0 +1,2 @@
+"""Verification passes: they change nothing and raise when a graph breaks an invariant.
+"""

@@ -1,0 +1,2 @@
+"""Transformation passes: each rewrites a graph and returns how many sites it changed.
+"""

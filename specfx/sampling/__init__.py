@@ -1,0 +1,2 @@
+"""Logits processing, the counter-based random stream, and acceptance (greedy and rejection).
+"""

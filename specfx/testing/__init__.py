@@ -1,0 +1,3 @@
+"""Helpers for tests and benchmarks: tiny random HF models, and the reduced-precision
+comparison rule.
+"""

@@ -1,0 +1,2 @@
+"""Token trees: the static and dynamic tree types a round verifies.
+"""

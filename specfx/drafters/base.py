@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from specfx.model.runner import ModelRunner
-from specfx.engine.tree_round import draft_tree, level_inputs, tree_view
+from specfx.trees.drafting import draft_tree, level_inputs, tree_view
 
 __all__ = [
     "Drafter",
@@ -111,7 +111,7 @@ class Drafter:
 
     def propose_dynamic_tree(self, ctx) -> tuple[torch.Tensor, torch.Tensor]:
         """This round's tree for every row: node tokens ``[B, N]`` and parents ``[B, N+1]``
-        (parents before children; see :func:`specfx.engine.tree_round.draft_dynamic_tree`)."""
+        (parents before children; see :func:`specfx.trees.drafting.draft_dynamic_tree`)."""
         raise NotImplementedError
 
     def prepare_tree(self, tree) -> None:
@@ -137,7 +137,7 @@ class Drafter:
     branch_slots = 0  # scratch slots the branch writes past the tree's (its token count E)
 
     def branch(self, ctx):
-        """A :class:`specfx.engine.tree_round.Branch` of ``branch_slots`` tokens to run in this tree
+        """A :class:`specfx.trees.drafting.Branch` of ``branch_slots`` tokens to run in this tree
         round's target forward, or None (the default)."""
         return None
 

@@ -45,7 +45,7 @@ from specfx.passes.rewrites.early_exit import EarlyExitError, early_exit
 from specfx.model.admission import PROBE_MIN_CAPACITY
 from specfx.model.runner import ModelRunner
 from specfx.trees.types import TokenTree
-from specfx.engine.tree_round import draft_levels, draft_tree, level_inputs, tree_view
+from specfx.trees.drafting import draft_levels, draft_tree, level_inputs, tree_view
 
 __all__ = ["EarlyExit", "ExitGraph", "capture_early_exit", "decoder_layer_names"]
 

@@ -10,7 +10,7 @@ pending token:
   accepted like any token tree (greedy: the longest guess the target's argmax agrees with;
   sampling: the tree acceptance's lossless multi-candidate rule, every guess being a
   deterministic proposal);
-* the *lookahead branch* (a :class:`~specfx.engine.tree_round.Branch`): the Jacobi window, N - 1
+* the *lookahead branch* (a :class:`~specfx.trees.drafting.Branch`): the Jacobi window, N - 1
   levels of W tokens. Level 0 is the pending token followed by W - 1 guesses; the token at
   level l, column j sits at position ``L + l + j`` and sees the committed prefix, level 0's
   columns up to j, and its own column at levels 1..l (the method's mask). The target's argmax
@@ -36,7 +36,7 @@ from specfx.drafters.base import Drafter
 from specfx.model.dynamo import mark_static
 from specfx.model.runner import ModelRunner
 from specfx.trees.types import MAX_TREE_NODES, TokenTree
-from specfx.engine.tree_round import Branch
+from specfx.trees.drafting import Branch
 
 __all__ = ["MAX_NGRAM", "Lookahead", "branch_layout", "candidate_trie", "from_name", "pool_candidates"]
 

@@ -222,7 +222,7 @@ class DynamicTree:
     """EAGLE-2's context-dependent token tree: the shape of a round whose tree the drafter
     chooses per row and per round from its own scores (``TokenTree.eagle2()``).
 
-    Each round (:func:`specfx.engine.tree_round.draft_dynamic_tree`): the root's top ``branching``
+    Each round (:func:`specfx.trees.drafting.draft_dynamic_tree`): the root's top ``branching``
     draft tokens are the depth-1 candidates; at each depth ``d < depth`` the ``branching``
     candidates of depth ``d`` with the highest cumulative draft log-probability (the sum along
     their path) are expanded, each into its top ``branching`` children, giving

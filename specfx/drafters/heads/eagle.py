@@ -38,7 +38,7 @@ out, the query's own slot always visible so no mask row is empty.
   stash: the root is the pending token, whose entry observe committed at slot ``L``).
   :meth:`commit_tree` moves nothing: the next observe rewrites the accepted path's entries.
 * :meth:`EagleBase.propose_dynamic_tree` (EAGLE-2, ``TokenTree.eagle2()``): the same entries,
-  grown per row by :func:`specfx.engine.tree_round.draft_dynamic_tree`: the ``k`` nodes expanded at a
+  grown per row by :func:`specfx.trees.drafting.draft_dynamic_tree`: the ``k`` nodes expanded at a
   depth run as one forward, each reading its parent's output, in the scratch slots and under
   the per-row tree mask that function gives.
 
@@ -75,7 +75,7 @@ from specfx.model.dynamo import mark_static
 from specfx.model.hf_names import cache_kwarg
 from specfx.model.masks import TreeView, check_attn_implementation, layer_pattern, mask_plan, to_format, visible_slots
 from specfx.model.runner import ModelRunner
-from specfx.engine.tree_round import draft_dynamic_tree, draft_tree, level_inputs, tree_view
+from specfx.trees.drafting import draft_dynamic_tree, draft_tree, level_inputs, tree_view
 from specfx.drafters.heads.checkpoint import HeadCheckpoint, check_tensors, read_head, warn_engine_gaps, write_head
 
 __all__ = ["Eagle", "EagleBase", "from_name", "rope_keys", "target_rotary"]

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from specfx.drafters.base import Drafter, stash_at
 from specfx.model.dynamo import mark_static
 from specfx.model.runner import ModelRunner
-from specfx.engine.tree_round import draft_tree
+from specfx.trees.drafting import draft_tree
 from specfx.drafters.heads.checkpoint import HeadCheckpoint, check_tensors, read_head, warn_engine_gaps, write_head
 
 __all__ = ["Medusa", "from_name"]

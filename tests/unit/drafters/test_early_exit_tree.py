@@ -13,7 +13,7 @@ from specfx.model.masks import TreeView
 from specfx.testing.tiny import tiny_causal_lm
 from specfx.model.runner import ModelRunner
 from specfx.trees.types import TokenTree
-from specfx.engine.tree_round import draft_levels
+from specfx.trees.drafting import draft_levels
 from tests.conftest import left_padded, prompt, tiered
 
 # depth 4; nodes with children at depth 1: (0,), (2,); depth 2: (0, 0), (0, 1); depth 3: (0, 0, 0)

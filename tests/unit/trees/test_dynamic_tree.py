@@ -13,7 +13,7 @@ import torch
 import specfx
 from specfx.drafters.base import Drafter
 from specfx.trees.types import DynamicTree, TokenTree, TreeTensors
-from specfx.engine.tree_round import draft_dynamic_tree
+from specfx.trees.drafting import draft_dynamic_tree
 
 from tests.conftest import left_padded, prompt
 from tests.lossless.test_lossless import CASES, _chisquare, _exact, _models

@@ -23,7 +23,7 @@ import specfx
 from specfx.drafters.heads.eagle3 import Eagle3, resolve_taps
 from specfx.testing.tiny import tiny_causal_lm
 from specfx.trees.types import TokenTree
-from specfx.engine.tree_round import draft_levels
+from specfx.trees.drafting import draft_levels
 from tests.conftest import active_rounds, left_padded, prompt, tiered
 from tests.unit.drafters.heads.test_eagle import _Reference as _EagleReference
 from tests.lossless.test_lossless import (

@@ -17,7 +17,7 @@ from transformers.utils import logging as hf_logging
 
 from specfx.engine.auto_k import AutoK
 from specfx.config import AUTO, MAX_SPECULATIVE_TOKENS, SpecConfig
-from specfx.drafters.base import resolve_drafter
+from specfx.drafters.base import branch_slots, resolve_drafter, shape_refusal
 from specfx.request.args import GenerateRequest, resolve_generate_args
 from specfx.model.dynamo import fresh_code, release_code
 from specfx.model.hf_names import penalty_counts_left_padding
@@ -131,7 +131,7 @@ class SpeculativeGenerator:
                     f"drop tree= and num_speculative_tokens='auto' (set the drafter's own parameters instead)."
                 )
             config = dataclasses.replace(config, tree=own_tree)
-        if self.drafter.branch_slots and self.drafter.taps:  # taps are captured per forward shape (N + 1 tokens)
+        if branch_slots(self.drafter) and self.drafter.taps:  # taps are captured per forward shape (N + 1 tokens)
             raise ValueError(f"the {self.drafter.name} drafter both reads hidden-state taps and adds a branch; unsupported.")
         self.spec_config = config
         # a tree round, or None: a chain of K (a tree that is a short chain runs as that chain)
@@ -140,8 +140,7 @@ class SpeculativeGenerator:
             config = dataclasses.replace(config, num_speculative_tokens=self.tree.size, tree=None)
             self.spec_config, self.tree = config, None
         if self.tree is not None:
-            drafter_refusal = self.drafter.dynamic_tree_refusal if isinstance(self.tree, DynamicTree) else self.drafter.tree_refusal
-            for why in (self.target_runner.tree_refusal(), drafter_refusal()):
+            for why in (self.target_runner.tree_refusal(), shape_refusal(self.drafter, self.tree)):
                 if why is not None:
                     where = f"draft={self.drafter.name!r} (it verifies a token tree each round)" if own_tree else "tree=..."
                     raise ValueError(f"speculate({where}): {why}")
@@ -164,7 +163,7 @@ class SpeculativeGenerator:
         self._round_times: dict[tuple, dict[int, float]] = {}  # "auto": (rows, capacity, mode, collect) -> {K: s}
         self._last_mode = Mode(False, penalty=False)  # the last call's graph mode (round_fn's default)
         # proposals per round at most (buffers keep this many scratch slots past the pending token)
-        self.k = max(config.k_values) if self.tree is None else self.tree.scratch_slots + self.drafter.branch_slots
+        self.k = max(config.k_values) if self.tree is None else self.tree.scratch_slots + branch_slots(self.drafter)
         self._positions = self.k if self.tree is None else self.tree.depth  # accepted per round at most
         self.vocab = self.target_runner.vocab_size
         self.state: RoundState | None = None

@@ -18,10 +18,16 @@ import torch
 
 from specfx.model.runner import ModelRunner
 from specfx.trees.drafting import draft_tree, level_inputs, tree_view
+from specfx.trees.types import DynamicTree
 
 __all__ = [
+    "Branching",
     "Drafter",
     "DraftModel",
+    "DynamicTreeDrafting",
+    "TreeDrafting",
+    "branch_slots",
+    "shape_refusal",
     "DEFAULT_DRAFTERS",
     "NAMED_DRAFTERS",
     "TREE_DRAFTERS",
@@ -76,17 +82,33 @@ class Drafter:
         from (None for a deterministic drafter: q is then one-hot on the proposal)."""
         raise NotImplementedError
 
-    # Token trees (specfx.trees.types): drafters that can branch set this and implement propose_tree.
-    supports_tree = False
+    def prepare_tree(self, tree) -> None:
+        """The :class:`~specfx.trees.types.TokenTree` every round will draft, or None for chains:
+        called by ``speculate()`` after :meth:`bind` (and the shape checks), before any
+        :meth:`allocate`, for drafters that prepare per-shape state for a tree (early exit
+        captures a graph per tree level)."""
 
-    def tree_refusal(self) -> str | None:
-        """Why this drafter cannot draft token trees, or None if it can."""
-        if self.supports_tree:
-            return None
+    # Drafters that fix the round's tree themselves (lookahead: G chains of N - 1) return it
+    # here; speculate() then refuses tree= and num_speculative_tokens="auto".
+    def round_tree(self):
+        """The :class:`~specfx.trees.types.TokenTree` every round of this drafter verifies, or None
+        (the default: the round's shape comes from ``tree=`` / ``num_speculative_tokens``)."""
+        return None
+
+    def chain_only_reason(self) -> str:
+        """Why this drafter drafts chains only (asked only of drafters without
+        :class:`TreeDrafting`): the refusal ``speculate(tree=...)`` raises."""
         return (
             f"the {self.name} drafter drafts a chain only, not a token tree; use "
             f"num_speculative_tokens=K without tree=, or a drafter that branches: {TREE_DRAFTERS}."
         )
+
+
+class TreeDrafting:
+    """Capability mixin: the drafter drafts static token trees (``speculate(tree=TokenTree)``).
+
+    ``class MyDrafter(TreeDrafting, Drafter)``; the round calls :meth:`propose_tree` instead of
+    ``propose`` and, after acceptance, :meth:`commit_tree`."""
 
     def propose_tree(self, ctx) -> torch.Tensor:
         """A token for every node of ``ctx.token_tree``: ``[B, N]``, node n's in column n - 1.
@@ -96,54 +118,64 @@ class Drafter:
         children, no deeper than ``ctx.token_tree``), verified in its place (lookahead's trie)."""
         raise NotImplementedError
 
-    # EAGLE-2's dynamic trees (TokenTree.eagle2()): drafters that score their nodes as they draft.
-    supports_dynamic_tree = False
+    def commit_tree(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """After a tree round: move any per-row KV of the accepted path from slots ``src
+        [B, D]`` to ``dst [B, D]`` (see :meth:`specfx.model.cache.SlotCache.move`)."""
 
-    def dynamic_tree_refusal(self) -> str | None:
-        """Why this drafter cannot grow dynamic (EAGLE-2) trees, or None if it can."""
-        if self.supports_dynamic_tree:
-            return None
-        return (
-            f"the {self.name} drafter cannot grow a dynamic tree (TokenTree.eagle2()), which needs a drafter "
-            f"that re-scores every node it drafts with the path's context (EAGLE heads: specfx.Eagle, "
-            f"specfx.Eagle3); use a static tree (a TokenTree) or a chain with this drafter."
-        )
+    def tree_refusal(self) -> str | None:
+        """Why this instance cannot draft trees after all (its model cannot run them), or None."""
+        return None
+
+
+class DynamicTreeDrafting(TreeDrafting):
+    """Capability mixin: the drafter grows EAGLE-2's dynamic trees (``TokenTree.eagle2()``),
+    re-scoring every node it drafts with the path's context."""
 
     def propose_dynamic_tree(self, ctx) -> tuple[torch.Tensor, torch.Tensor]:
         """This round's tree for every row: node tokens ``[B, N]`` and parents ``[B, N+1]``
         (parents before children; see :func:`specfx.trees.drafting.draft_dynamic_tree`)."""
         raise NotImplementedError
 
-    def prepare_tree(self, tree) -> None:
-        """The :class:`~specfx.trees.types.TokenTree` every round will draft, or None for chains:
-        called by ``speculate()`` after :meth:`bind` (and :meth:`tree_refusal`), before any
-        :meth:`allocate`, for drafters that prepare per-shape state for a tree (early exit
-        captures a graph per tree level)."""
 
-    def commit_tree(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """After a tree round: move any per-row KV of the accepted path from slots ``src
-        [B, D]`` to ``dst [B, D]`` (see :meth:`specfx.model.cache.SlotCache.move`)."""
+class Branching:
+    """Capability mixin: extra query tokens in the tree round's target forward (lookahead's
+    Jacobi branch). Their outputs are never accepted, their KV goes to scratch slots past the
+    tree's and is never committed, and no tree node sees them. Not with taps (speculate()
+    refuses the pair)."""
 
-    # Drafters that fix the round's tree themselves (lookahead: G chains of N - 1) return it
-    # here; speculate() then refuses tree= and num_speculative_tokens="auto".
-    def round_tree(self):
-        """The :class:`~specfx.trees.types.TokenTree` every round of this drafter verifies, or None
-        (the default: the round's shape comes from ``tree=`` / ``num_speculative_tokens``)."""
-        return None
-
-    # Extra query tokens in the tree round's target forward (lookahead's Jacobi branch): their
-    # outputs are never accepted, their KV goes to scratch slots past the tree's and is never
-    # committed, and no tree node sees them. Not with taps (speculate() refuses the pair).
     branch_slots = 0  # scratch slots the branch writes past the tree's (its token count E)
 
     def branch(self, ctx):
         """A :class:`specfx.trees.drafting.Branch` of ``branch_slots`` tokens to run in this tree
-        round's target forward, or None (the default)."""
-        return None
+        round's target forward."""
+        raise NotImplementedError
 
     def observe_branch(self, ctx, root_logits: torch.Tensor, logits: torch.Tensor) -> None:
         """The target's raw logits at the pending token ``[B, 1, V]`` and at the branch's tokens
         ``[B, E, V]``, right after the round's forward (before acceptance is committed)."""
+
+
+def branch_slots(drafter: Drafter) -> int:
+    """Scratch slots a drafter's branch adds to a tree round (0 without :class:`Branching`)."""
+    return drafter.branch_slots if isinstance(drafter, Branching) else 0
+
+
+def shape_refusal(drafter: Drafter, tree) -> str | None:
+    """Why ``drafter`` cannot draft rounds of this shape (a TokenTree, a DynamicTree, or None for
+    a chain), or None if it can: the capability is the drafter's type."""
+    if tree is None:
+        return None
+    if isinstance(tree, DynamicTree):
+        if not isinstance(drafter, DynamicTreeDrafting):
+            return (
+                f"the {drafter.name} drafter cannot grow a dynamic tree (TokenTree.eagle2()), which needs a drafter "
+                f"that re-scores every node it drafts with the path's context (EAGLE heads: specfx.Eagle, "
+                f"specfx.Eagle3); use a static tree (a TokenTree) or a chain with this drafter."
+            )
+        return drafter.tree_refusal()
+    if not isinstance(drafter, TreeDrafting):
+        return drafter.chain_only_reason()
+    return drafter.tree_refusal()
 
 
 def draft_token(ctx, logits: torch.Tensor, i: int, proposals: list, qs: list) -> torch.Tensor:
@@ -158,7 +190,7 @@ def draft_token(ctx, logits: torch.Tensor, i: int, proposals: list, qs: list) ->
     return token
 
 
-class DraftModel(Drafter):
+class DraftModel(TreeDrafting, Drafter):
     """A smaller HF causal LM sharing the target's vocabulary.
 
     Cache invariant: at a round's start the draft's KV holds every committed position up to
@@ -209,8 +241,6 @@ class DraftModel(Drafter):
             return self.runner.forward(proposals[-1], p, p)
 
         return draft_chain(ctx, first, step)
-
-    supports_tree = True
 
     def propose_tree(self, ctx):
         # Level by level: all nodes of one depth in one forward, each in its scratch slot

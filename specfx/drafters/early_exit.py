@@ -39,7 +39,7 @@ import torch
 from torch import fx
 
 from specfx.model.capture import CapturedForward, CaptureError, capture_forward, decoder_blocks, decoder_layer_names
-from specfx.drafters.base import Drafter, draft_chain
+from specfx.drafters.base import Drafter, TreeDrafting, draft_chain
 from specfx.model.masks import TreeView
 from specfx.passes.rewrites.early_exit import EarlyExitError, early_exit
 from specfx.model.admission import PROBE_MIN_CAPACITY
@@ -121,7 +121,7 @@ def _check_layer(layer, num_layers: int | None = None, blocks: str = "layers") -
     return layer
 
 
-class EarlyExit(Drafter):
+class EarlyExit(TreeDrafting, Drafter):
     """Self-speculation by early exit: the target's first ``layer`` decoder layers, followed by
     its final norm and LM head, propose K tokens or a token tree's nodes (child r of a node:
     the exit's r-th most likely token there); ``draft="early_exit:N"`` or
@@ -217,7 +217,6 @@ class EarlyExit(Drafter):
 
         return draft_chain(ctx, self._root(ctx), step)
 
-    supports_tree = True
 
     def propose_tree(self, ctx):
         # The root from the pending token (as a chain's first step), then level by level: the

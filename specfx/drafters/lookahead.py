@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from specfx.drafters.base import Drafter
+from specfx.drafters.base import Branching, Drafter, TreeDrafting
 from specfx.model.dynamo import mark_static
 from specfx.model.runner import ModelRunner
 from specfx.trees.types import MAX_TREE_NODES, TokenTree
@@ -106,7 +106,7 @@ def _int_in(name: str, v, low: int, high: int) -> None:
         )
 
 
-class Lookahead(Drafter):
+class Lookahead(Branching, TreeDrafting, Drafter):
     """Lookahead decoding: ``specfx.speculate(model, draft="lookahead")`` or
     ``draft=specfx.Lookahead(window=W, ngram=N, guesses=G)`` (see the module docstring).
 
@@ -124,7 +124,6 @@ class Lookahead(Drafter):
     """
 
     name = "lookahead"
-    supports_tree = True
 
     def __init__(self, window: int = 4, ngram: int = 3, guesses: int = 2, pool: int | None = None):
         _int_in("window", window, 1, MAX_WINDOW)

@@ -351,7 +351,7 @@ class MTP(Drafter):
 
         return draft_chain(ctx, self._logits(self.stash[0]), step)  # proposal 0: layer 0 at L -> L + 1
 
-    def tree_refusal(self) -> str:
+    def chain_only_reason(self) -> str:
         return (
             "MTP heads draft a chain only, not a token tree: MTP layer i drafts the token i + 1 "
             "positions ahead from layer i - 1's hidden state along one path, and their cache keeps one "

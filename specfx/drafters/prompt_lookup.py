@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specfx.drafters.base import Drafter
+from specfx.drafters.base import Drafter, TreeDrafting
 from specfx.trees.types import TokenTree
 
 __all__ = [
@@ -173,7 +173,7 @@ def lookup_tree(
 
 
 @dataclass(frozen=True)
-class PromptLookup(Drafter):
+class PromptLookup(TreeDrafting, Drafter):
     """Prompt lookup decoding (n-gram drafting): no draft model, proposals copied from the
     row's own tokens.
 
@@ -210,7 +210,6 @@ class PromptLookup(Drafter):
     tree_matches: int = 8
 
     name = "prompt_lookup"
-    supports_tree = True
     resumable = True  # reads only the row's tokens: auto's K = 0 rounds leave nothing behind
 
     def __post_init__(self):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from specfx.drafters.base import Branching
 from specfx.engine.chain_round import RoundContext, commit, record, truncate
 from specfx.sampling.core import Mode, _emit, as_mode, sample_from, uniform
 from specfx.trees.drafting import branch_view, tree_view
@@ -131,7 +132,7 @@ def tree_round_step(target, drafter, state, tree: TokenTree | DynamicTree, vocab
     ids = torch.cat([pending, proposals], dim=1)  # [B, N+1]
     nodes = tuple(range(n + 1))
     pos = lengths.unsqueeze(1) + tt.depth  # [B, N+1]
-    branch = drafter.branch(ctx)
+    branch = drafter.branch(ctx) if isinstance(drafter, Branching) else None
     if branch is None:
         forward_ids, forward_pos, view = ids, pos, tree_view(ctx, nodes)
     else:  # the branch's tokens after the nodes, in the slots after theirs

@@ -26,7 +26,7 @@ from transformers.generation.logits_process import (
 
 import specfx
 from specfx.engine import tree_round
-from specfx.drafters.base import Drafter
+from specfx.drafters.base import Drafter, TreeDrafting
 from specfx.testing.tiny import perturbed_copy, tiny_causal_lm
 from specfx.sampling.core import sample_from
 from tests.conftest import tiered
@@ -154,12 +154,11 @@ def test_tree_sampling_matches_exact_distribution(case):
     assert _chisquare(samples, probs) > 1e-3
 
 
-class FixedTree(Drafter):
+class FixedTree(TreeDrafting, Drafter):
     """Proposes the same tokens for every node in every round: a deterministic drafter (q is
     one-hot), so any choice of tokens must leave the target's distribution unchanged."""
 
     name = "fixed_tree"
-    supports_tree = True
 
     def __init__(self, tokens):
         self.tokens = torch.tensor(tokens)  # [N]

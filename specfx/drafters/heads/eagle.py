@@ -70,7 +70,7 @@ import torch
 from torch import nn
 
 from specfx.model.cache import SlotCache
-from specfx.drafters.base import Drafter, draft_chain, stash_at
+from specfx.drafters.base import Drafter, DynamicTreeDrafting, draft_chain, stash_at
 from specfx.model.dynamo import mark_static
 from specfx.model.hf_names import cache_kwarg
 from specfx.model.masks import TreeView, check_attn_implementation, layer_pattern, mask_plan, to_format, visible_slots
@@ -95,11 +95,10 @@ def target_rotary(model, owner: str):
     return rotary
 
 
-class EagleBase(Drafter):
+class EagleBase(DynamicTreeDrafting, Drafter):
     """A drafter that runs a head on the target's features, with its own one-layer static KV
     (see the module docstring for the cache protocol and the subclass contract)."""
 
-    supports_tree = True
 
     target: ModelRunner
     mask_format: str
@@ -197,7 +196,6 @@ class EagleBase(Drafter):
 
         return draft_tree(ctx, self._logits(self.stash), step)
 
-    supports_dynamic_tree = True
 
     def propose_dynamic_tree(self, ctx):
         # EAGLE-2: the expanded nodes of each depth run as one draft forward, each reading its

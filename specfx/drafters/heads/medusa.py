@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specfx.drafters.base import Drafter, stash_at
+from specfx.drafters.base import Drafter, TreeDrafting, stash_at
 from specfx.model.dynamo import mark_static
 from specfx.model.runner import ModelRunner
 from specfx.trees.drafting import draft_tree
@@ -68,7 +68,7 @@ def _count(value, name: str, where: str, minimum: int) -> int:
     return value
 
 
-class Medusa(Drafter):
+class Medusa(TreeDrafting, Drafter):
     """Medusa heads over the target's final hidden state (see the module docstring).
 
     Args:
@@ -85,7 +85,6 @@ class Medusa(Drafter):
 
     name = "medusa"
     taps = ("final",)
-    supports_tree = True
 
     def __init__(self, path: str | Path, *, num_heads: int | None = None):
         ckpt = read_head(path, KIND)

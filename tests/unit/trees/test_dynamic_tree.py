@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import specfx
-from specfx.drafters.base import Drafter
+from specfx.drafters.base import Drafter, DynamicTreeDrafting
 from specfx.trees.types import DynamicTree, TokenTree, TreeTensors
 from specfx.trees.drafting import draft_dynamic_tree
 
@@ -19,12 +19,11 @@ from tests.conftest import left_padded, prompt
 from tests.lossless.test_lossless import CASES, _chisquare, _exact, _models
 
 
-class Bigram(Drafter):
+class Bigram(DynamicTreeDrafting, Drafter):
     """Draft logits ``table[token]`` for the token at a node (no KV, no state): deterministic,
     so any tree it grows keeps sampling lossless."""
 
     name = "bigram"
-    supports_dynamic_tree = True
 
     def __init__(self, table: torch.Tensor, record: bool = False):
         self.table = table  # [V, V]

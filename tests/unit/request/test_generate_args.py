@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 import specfx
-from specfx.request.args import infer_attention_mask
+from specfx.request.inputs import infer_attention_mask
 from specfx.testing.tiny import tiny_config
 from tests.conftest import left_padded, pair, prompt
 

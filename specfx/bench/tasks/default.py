@@ -90,13 +90,13 @@ from specfx.bench.harness import (
     hf_assisted,
     hf_compile_config,
     log,
-    median_call_time,
     run_batches,
     spinner,
     sync_fn,
     torch_threads,
 )
 from specfx.bench.plot import acceptance_plot
+from specfx.engine.timing import call_times
 
 __all__ = ["main", "parse_args", "run", "load_models", "DESCRIPTION"]
 
@@ -198,9 +198,13 @@ def round_overhead(spec, k: int, batch: dict, max_new_tokens: int, iters: int, c
     if draft is None:
         return {"error": f"drafter {type(spec.drafter).__name__} has no draft model to time"}
     target = spec.target_runner
+
+    def median_ms(fn) -> float:
+        return 1e3 * statistics.median(call_times(fn, iters, warmup=3, sync=sync))
+
     with torch.no_grad():
         spec.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False)  # state as generate leaves it
-        out = {"round_ms": 1e3 * median_call_time(spec.round_fn(), iters, sync)}
+        out = {"round_ms": median_ms(spec.round_fn())}
         ids = batch["input_ids"]
         rows, dev = ids.shape[0], ids.device
         start = ids.shape[1] + max_new_tokens + 1  # past every slot the generation used
@@ -215,8 +219,8 @@ def round_overhead(spec, k: int, batch: dict, max_new_tokens: int, iters: int, c
             return torch.compile(fwd, backend="inductor", fullgraph=True, dynamic=False) if compiled else fwd
 
         verify, step = part(target), part(draft)
-        out["verify_ms"] = 1e3 * median_call_time(lambda: verify(tok, pos), iters, sync)
-        out["draft_step_ms"] = 1e3 * median_call_time(lambda: step(tok_1, pos_1), iters, sync)
+        out["verify_ms"] = median_ms(lambda: verify(tok, pos))
+        out["draft_step_ms"] = median_ms(lambda: step(tok_1, pos_1))
     out["parts_ms"] = k * out["draft_step_ms"] + out["verify_ms"]
     out["overhead"] = out["round_ms"] / out["parts_ms"]
     out["parts_compiled"] = compiled

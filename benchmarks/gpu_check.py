@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 import specfx  # noqa: E402
-from specfx.testing.tiny import perturbed_copy, tiny_causal_lm  # noqa: E402
 from specfx.testing.precision import check_greedy_agreement  # noqa: E402
+from specfx.testing.tiny import perturbed_copy, tiny_causal_lm  # noqa: E402
 from specfx.trees.types import TokenTree  # noqa: E402
 
 DEV = torch.device("cuda")

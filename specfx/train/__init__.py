@@ -42,11 +42,11 @@ from pathlib import Path
 import torch
 
 from specfx.drafters.heads.medusa import LAYOUTS as MEDUSA_LAYOUTS
-from specfx.train.pair import load_checkpoint as pair_load
-from specfx.train.pair import save_checkpoint as pair_save
 from specfx.train.cache import FeatureCache
 from specfx.train.data import Windows, load_texts, streams
 from specfx.train.heads import HEADS, DraftTrain, Eagle3Train, EagleTrain, MedusaTrain, TrainHead
+from specfx.train.pair import load_checkpoint as pair_load
+from specfx.train.pair import save_checkpoint as pair_save
 
 __all__ = ["TrainConfig", "train", "main"]
 
@@ -203,8 +203,8 @@ def evaluate(cfg: TrainConfig, model, head_dir: Path, kind: str, held) -> dict:
     import specfx
     from specfx.drafters.heads.eagle import Eagle
     from specfx.drafters.heads.eagle3 import Eagle3
-    from specfx.model.load import load_causal_lm
     from specfx.drafters.heads.medusa import Medusa
+    from specfx.model.load import load_causal_lm
 
     cls = {
         "medusa": Medusa,

@@ -82,7 +82,6 @@ from pathlib import Path
 
 import torch
 
-from specfx.model.load import check_model_dir, load_causal_lm, load_tokenizer
 from specfx.bench.harness import (
     BASELINE,
     NO_EOS,
@@ -97,6 +96,7 @@ from specfx.bench.harness import (
 )
 from specfx.bench.plot import acceptance_plot
 from specfx.engine.timing import call_times
+from specfx.model.load import check_model_dir, load_causal_lm, load_tokenizer
 
 __all__ = ["main", "parse_args", "run", "load_models", "DESCRIPTION"]
 

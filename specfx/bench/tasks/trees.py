@@ -60,7 +60,6 @@ from collections import Counter
 
 import torch
 
-from specfx.trees.types import TokenTree
 from specfx.bench.harness import (
     BASELINE,
     NO_EOS,
@@ -73,6 +72,7 @@ from specfx.bench.harness import (
     torch_threads,
 )
 from specfx.bench.stdlib_code import pick_functions, task_prompt
+from specfx.trees.types import TokenTree
 
 __all__ = ["main", "parse_args", "run", "draft_ranks", "simulate", "round_accuracies", "search_tree", "SHAPES"]
 

@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 from specfx.cli import main as cli_main
 from specfx.drafters.heads.eagle import Eagle
 from specfx.drafters.heads.eagle3 import Eagle3
-from specfx.model.load import load_causal_lm
 from specfx.drafters.heads.medusa import Medusa
+from specfx.model.load import load_causal_lm
 from specfx.testing.tiny import tiny_causal_lm
 from specfx.train import main
 from specfx.train.data import load_texts

@@ -67,9 +67,6 @@ class TrainHead:
     def save(self, path: Path) -> Path:
         return self.drafter.save(path)
 
-    def load_class(self):
-        return type(self.drafter)
-
 
 class _Params(nn.Module):
     """Named tensors as trainable parameters (Medusa's heads are plain tensors)."""

@@ -22,7 +22,7 @@ from specfx.train.data import load_texts
 from specfx.train.heads import draft_vocabulary, ttt_mask
 from tests.unit.drafters.heads import engine_rules as rules
 
-DEMO_TARGET = Path(__file__).resolve().parents[1] / "specfx" / "models" / "demo_pair" / "target"
+DEMO_TARGET = Path(__file__).resolve().parents[3] / "specfx" / "demo" / "demo_pair" / "target"
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 CLASSES = {"medusa": Medusa, "eagle": Eagle, "eagle3": Eagle3, "draft": load_causal_lm}
 

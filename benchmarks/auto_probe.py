@@ -14,11 +14,8 @@ K = 0 is chosen it stays for the call. Prints the drafters table per task.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main(argv=None) -> int:

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import specfx
+from specfx.engine.timing import call_times
 
 K, NEW = 4, 16
 
@@ -50,14 +51,7 @@ def _model(layers: int, seed: int) -> LlamaForCausalLM:
 
 
 def _median_call(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(call_times(fn, iters, warmup=3))
 
 
 def _attention_ms(batch: int, slots: int, live_prefix: int, iters: int) -> float:

@@ -14,12 +14,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import sys
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 GROUPS = (  # (label, substrings of a profiler event name), first match wins
     ("matmul (mm/addmm/bmm/linear)", ("mm", "linear", "matmul")),

@@ -7,10 +7,11 @@ top-p + penalty) once each, then 48 replays of those classes with new prompts (1
 ragged) and max_new_tokens (1..40). Each call that added a compiled graph counts as a compile;
 its cost is its wall time minus the median warm call's. A failing call is counted and the run
 goes on. Works on any specfx revision (it reads only ``spec.graphs`` and wall time), so the same
-command measures before and after a change::
+command measures before and after a change (run from the checkout to measure: ``-m`` puts it
+first on ``sys.path``; the call mix lives in :mod:`specfx.testing.soak`)::
 
-    python benchmarks/soak_compiles.py --json after.json
-    (cd OLD_CHECKOUT && python /path/to/benchmarks/soak_compiles.py --json before.json)
+    python -m benchmarks.soak_compiles --json after.json
+    (cd OLD_CHECKOUT && python -m benchmarks.soak_compiles --json before.json)
 
 Run it in a fresh process (it measures cold compiles; Inductor's on-disk FX graph cache makes a
 second process warm, see ``--cache-dir``).
@@ -29,31 +30,7 @@ import time
 
 import torch
 
-MODES = {
-    "greedy": {},
-    "greedy_penalty": dict(repetition_penalty=1.3, min_new_tokens=3),
-    "sample": dict(do_sample=True, temperature=0.8),
-    "top_k": dict(do_sample=True, top_k=20),
-    "top_p": dict(do_sample=True, top_p=0.9, repetition_penalty=1.2),
-}
-CLASSES = [(b, m) for b in (1, 2, 3) for m in MODES]
-REPLAYS = 48  # after the first pass over CLASSES
-
-
-def growing_request():
-    """The first request: 100 + 156 tokens, so the buffers grow to 512 slots (100 + 156 + K + 2
-    > 256) before any graph compiles (``ids, attention_mask, max_new_tokens``)."""
-    return torch.randint(3, 128, (1, 100), generator=torch.Generator().manual_seed(5)), None, 156
-
-
-def soak_request(batch: int, rng: random.Random):
-    """A ragged left-padded batch ``(ids, attention_mask, max_new_tokens)``: each row 1..60 real
-    tokens, 1..40 new tokens."""
-    lengths = [rng.randint(1, 60) for _ in range(batch)]
-    width = max(lengths)
-    ids = torch.randint(3, 128, (batch, width), generator=torch.Generator().manual_seed(rng.randint(0, 10**6)))
-    mask = (torch.arange(width) >= (width - torch.tensor(lengths)).unsqueeze(1)).long()
-    return ids * mask, mask, rng.randint(1, 40)
+from specfx.testing.soak import CLASSES, MODES, REPLAYS, growing_request, soak_request
 
 
 def run(replays: int = REPLAYS) -> dict:
@@ -108,7 +85,6 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = args.cache_dir or tempfile.mkdtemp(prefix="specfx_soak_")
-    sys.path.insert(0, os.getcwd())  # measure the checkout we run in
     summary = run(args.replays)
     keys = ("calls", "errors", "compiles", "compiles_after_first_pass", "compile_seconds", "max_compile_seconds", "warm_call_seconds")
     print("\n| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))

@@ -9,6 +9,16 @@ Tasks (``specfx bench [TASK] --help``):
     selfspec   early exit and MTP heads against HF's equivalents (:mod:`specfx.bench.tasks.selfspec`)
     trees      token trees against chains at the same verification budget, demo pair
                (:mod:`specfx.bench.tasks.trees`)
+    gpu        the GPU benchmark: Llama-shaped random-weight pairs, an oracle drafter of
+               controlled acceptance and the bandwidth floor (:mod:`specfx.bench.tasks.gpu`;
+               ``--smoke`` checks it on tiny CPU models, ``--dry-run`` predicts its runtime)
+    gpu_check  every drafter compiled on CUDA: greedy equality, one graph per shape, no host
+               sync, CUDA-graph launches (:mod:`specfx.bench.tasks.gpu_check`)
+
+Building blocks: :mod:`.harness` (timing loops, token checks, HF's peers), :mod:`.counters`
+(HF's forwards), :mod:`.floor` (the bandwidth floor), :mod:`.oracle` (the oracle drafter),
+:mod:`.stdlib_code` (prompts), :mod:`.plot`. From a checkout without installing, run a task as
+``python3 -m specfx.cli bench TASK ...``.
 
 A tool beside the library: ``import specfx`` does not import this package (nor tqdm's bars or
 matplotlib, which :mod:`specfx.bench.plot` needs only when it draws).
@@ -20,7 +30,7 @@ import sys
 
 __all__ = ["main", "TASKS"]
 
-TASKS = ("drafters", "selfspec", "trees")
+TASKS = ("drafters", "selfspec", "trees", "gpu", "gpu_check")
 
 
 def main(argv=None) -> int:
@@ -32,6 +42,10 @@ def main(argv=None) -> int:
         from specfx.bench.tasks.selfspec import main as task_main
     elif argv[:1] == ["trees"]:
         from specfx.bench.tasks.trees import main as task_main
+    elif argv[:1] == ["gpu"]:
+        from specfx.bench.tasks.gpu import main as task_main
+    elif argv[:1] == ["gpu_check"]:
+        from specfx.bench.tasks.gpu_check import main as task_main
     else:
         from specfx.bench.tasks.default import main as core_main
 

@@ -1,4 +1,5 @@
 """Helpers shared by every ``specfx bench`` task: timing, token checks, HF's peers, threads.
+Single calls are timed with :func:`specfx.engine.timing.call_times`, the one timing helper.
 
 Timing of :func:`bench_end_to_end` (the per-prompt tasks ``drafters`` and ``selfspec``): every
 method is warmed up once over all prompts (graphs compile here, with a message), then the
@@ -38,7 +39,6 @@ __all__ = [
     "hf_assisted_kwargs",
     "hf_compile_config",
     "log",
-    "median_call_time",
     "n_params",
     "run_all",
     "run_batches",
@@ -119,20 +119,6 @@ def time_method(fn, batches, repeats: int, sync=lambda: None) -> tuple[float, li
         dt, outs = run_batches(fn, batches, sync)
         times.append(dt)
     return statistics.median(times), outs
-
-
-def median_call_time(fn: Callable[[], object], iters: int, sync=lambda: None, warmup: int = 3) -> float:
-    """Median seconds of ``iters`` individually timed calls of ``fn`` after ``warmup`` calls."""
-    for _ in range(warmup):
-        fn()
-    sync()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def first_mismatch(a: torch.Tensor, b: torch.Tensor) -> int | None:

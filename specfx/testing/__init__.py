@@ -1,3 +1,3 @@
-"""Helpers for tests and benchmarks: tiny random HF models, and the reduced-precision
-comparison rule.
+"""Helpers for tests and benchmarks: tiny random HF models (:mod:`.tiny`), the reduced-precision
+comparison rule (:mod:`.precision`) and the soak test's call mix (:mod:`.soak`).
 """

@@ -16,10 +16,11 @@ Steps, each deterministic for a given ``--seed``:
    the logits and hidden states the head will see in a round, computed on the fly, or once into
    safetensors shards with ``--cache-features`` (:mod:`specfx.train.cache`) for several epochs.
 3. **Heads and losses** (:mod:`specfx.train.heads`): the drafter classes' own modules, trained
-   with AdamW (warm-up then cosine decay to 10 %, gradient clipping at 1).
+   with AdamW (warm-up then cosine decay to 10 %, :mod:`specfx.train.schedule`; gradient clipping
+   at 1). The run's options are a :class:`specfx.train.config.TrainConfig`.
 4. **Checkpoints**: every ``--ckpt-every`` steps (and at the end) the head's parameters and the
    optimizer moments go to ``OUT/ckpt/state.safetensors`` with ``OUT/ckpt/meta.json`` (nothing
-   is pickled); ``--resume`` continues from there exactly (same batches, same moments; the
+   is pickled; :mod:`specfx.train.checkpoint`, the demo pair's format too); ``--resume`` continues from there exactly (same batches, same moments; the
    learning-rate schedule is the one for ``--steps``, so stop a run early with ``--stop-after``).
 5. **Output**: ``OUT/head/`` in the head's public layout (its ``save()``: what SafeAILab's
    EAGLE, vLLM and SGLang read; Medusa in vLLM's layout or, ``--medusa-layout medusa``,
@@ -33,122 +34,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from specfx.drafters.heads.medusa import LAYOUTS as MEDUSA_LAYOUTS
-from specfx.train.pair import load_checkpoint as pair_load
-from specfx.train.pair import save_checkpoint as pair_save
+from specfx.train import checkpoint
 from specfx.train.cache import FeatureCache
+from specfx.train.config import FREE, LAYER_SIZES, TrainConfig
 from specfx.train.data import Windows, load_texts, streams
 from specfx.train.heads import HEADS, DraftTrain, Eagle3Train, EagleTrain, MedusaTrain, TrainHead
+from specfx.train.schedule import lr_at
 
 __all__ = ["TrainConfig", "train", "main"]
-
-
-@dataclass
-class TrainConfig:
-    """Everything that determines a run (``OUT/config.json``)."""
-
-    target: str
-    head: str
-    data: list[str]
-    out: str
-    init: str | None = None
-    steps: int = 200
-    batch_size: int = 8
-    seq_len: int = 256
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    warmup: int = 10
-    seed: int = 0
-    heldout_permille: int = 50
-    eval_batches: int = 2
-    ckpt_every: int = 50
-    medusa_heads: int = 4
-    medusa_layers: int = 1
-    medusa_layout: str = "vllm"
-    draft_vocab_size: int | None = None
-    intermediate_size: int | None = None
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
-    ttt_steps: int = 3
-    feature_noise: float = 0.1
-    draft_layers: int = 2
-    draft_hidden: int = 128
-    eval_prompts: int = 4
-    eval_prompt_len: int = 64
-    eval_new_tokens: int = 48
-    eval_ks: list[int] = field(default_factory=lambda: [2, 4, 8])
-    cache_features: bool = False
-    stop_after: int | None = None
-    device: str = "cpu"
-
-    def check(self) -> None:
-        if self.head not in HEADS:
-            raise ValueError(f"--head {self.head!r}: choose one of {', '.join(HEADS)}.")
-        for name in ("steps", "batch_size", "ckpt_every", "medusa_heads", "ttt_steps", "eval_batches", "draft_layers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}.")
-        if self.medusa_layout not in MEDUSA_LAYOUTS:
-            raise ValueError(
-                f"--medusa-layout {self.medusa_layout!r}: choose {' or '.join(MEDUSA_LAYOUTS)} (docs/HEADS.md: vllm for "
-                f"vLLM, medusa for FasterDecoding's Medusa)."
-            )
-        if self.seq_len < 4:
-            raise ValueError(f"--seq-len must be >= 4, got {self.seq_len}.")
-        if not self.lr > 0:
-            raise ValueError(f"--lr must be > 0, got {self.lr}.")
-        if not 0 <= self.feature_noise < float("inf"):
-            raise ValueError(f"--feature-noise must be a finite number >= 0, got {self.feature_noise}.")
-        if not 0 < self.heldout_permille < 1000:
-            raise ValueError(f"--heldout-permille must be in 1..999, got {self.heldout_permille}.")
-        sizes = [n for n in LAYER_SIZES if getattr(self, n) is not None]
-        for name in sizes:
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}.")
-        if sizes and self.head != "eagle3":
-            raise ValueError(
-                f"--{sizes[0].replace('_', '-')} sizes an EAGLE-3 head's decoder layer; --head {self.head} has no "
-                f"such option (--head draft: --draft-hidden / --draft-layers)."
-            )
-        if (sizes or self.draft_vocab_size is not None) and self.init is not None:
-            name = (sizes or ["draft_vocab_size"])[0].replace("_", "-")
-            raise ValueError(
-                f"--{name} sizes a head trained from scratch, but --init {self.init!r} brings its own sizes; "
-                f"drop one of them."
-            )
-
-
-# The EAGLE-3 decoder layer's sizes (default: the target's).
-LAYER_SIZES = ("intermediate_size", "num_attention_heads", "num_key_value_heads")
-
-# Options a --resume may change: evaluation, checkpointing and the device, and --steps (extending
-# a run; the learning-rate schedule then follows the new value: stop early with --stop-after instead).
-FREE = (
-    "steps",
-    "stop_after",
-    "ckpt_every",
-    "device",
-    "eval_batches",
-    "eval_prompts",
-    "eval_prompt_len",
-    "eval_new_tokens",
-    "eval_ks",
-    "medusa_layout",
-)
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-    return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(t, 1.0))))
 
 
 def build_head(cfg: TrainConfig, runner, stream, tokenizer) -> TrainHead:
@@ -176,13 +77,13 @@ def target_pass(runner, ids: torch.Tensor, taps) -> tuple[torch.Tensor, tuple[to
 
 # ----------------------------------------------------------------------------- checkpoints
 def save_checkpoint(ckpt: Path, step: int, head: TrainHead, opt, history: list) -> None:
-    """The head's parameters and optimizer moments, safetensors + meta.json (the demo pair's
-    trainer's format, one role named ``head``)."""
-    pair_save(ckpt, step, {"head": head.module}, {"head": opt}, history)
+    """The head's parameters and optimizer moments in the trainers' one format
+    (:mod:`specfx.train.checkpoint`), one role named ``head``."""
+    checkpoint.save_checkpoint(ckpt, step, {"head": head.module}, {"head": opt}, history)
 
 
 def load_checkpoint(ckpt: Path, head: TrainHead, opt) -> tuple[int, list]:
-    return pair_load(ckpt, {"head": head.module}, {"head": opt})
+    return checkpoint.load_checkpoint(ckpt, {"head": head.module}, {"head": opt})
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -203,8 +104,8 @@ def evaluate(cfg: TrainConfig, model, head_dir: Path, kind: str, held) -> dict:
     import specfx
     from specfx.drafters.heads.eagle import Eagle
     from specfx.drafters.heads.eagle3 import Eagle3
-    from specfx.model.load import load_causal_lm
     from specfx.drafters.heads.medusa import Medusa
+    from specfx.model.load import load_causal_lm
 
     cls = {
         "medusa": Medusa,
@@ -317,7 +218,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
             ids = windows.at(step).to(runner.device)
             logits, features = target_pass(runner, ids, head.taps)
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, cfg)
+            group["lr"] = lr_at(step, peak=cfg.lr, warmup=cfg.warmup, steps=cfg.steps)
         loss, acc = head.loss(ids, features, logits, step)
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -35,10 +35,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specfx.model.masks import to_format, visible_slots
 from specfx.drafters.heads.eagle import Eagle
 from specfx.drafters.heads.eagle3 import Eagle3
 from specfx.drafters.heads.medusa import Medusa
+from specfx.model.masks import to_format, visible_slots
 from specfx.model.runner import ModelRunner
 
 __all__ = ["HEADS", "TrainHead", "MedusaTrain", "EagleTrain", "Eagle3Train", "DraftTrain"]
@@ -66,9 +66,6 @@ class TrainHead:
 
     def save(self, path: Path) -> Path:
         return self.drafter.save(path)
-
-    def load_class(self):
-        return type(self.drafter)
 
 
 class _Params(nn.Module):

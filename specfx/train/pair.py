@@ -46,13 +46,11 @@ pass ``--device cuda`` and larger ``--target-hidden/--target-layers/--steps``.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import math
 import shutil
 import sys
-import sysconfig
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -62,17 +60,26 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-__all__ = ["TrainConfig", "build_corpus", "train_tokenizer", "make_model", "train", "export_pair", "main"]
+from specfx.train.checkpoint import load_checkpoint, save_checkpoint
+from specfx.train.pair_corpus import (
+    EOS,
+    PAD,
+    build_corpus,
+    heldout_prompts,
+    prepare,
+    train_tokenizer,
+)
+from specfx.train.schedule import lr_at
+
+__all__ = ["PairConfig", "build_corpus", "train_tokenizer", "make_model", "train", "export_pair", "main"]
 
 logger = logging.getLogger(__name__)
 
-EOS = "<|endoftext|>"
-PAD = "<|pad|>"
-
 
 @dataclass(frozen=True)
-class TrainConfig:
-    """Everything that determines a training run (stored in ``--out/config.json``).
+class PairConfig:
+    """Everything that determines a run of the demo pair's training (stored in ``--out/config.json``);
+    ``specfx train``'s config for a head is :class:`specfx.train.config.TrainConfig`.
 
     Attributes:
         seed: seeds model initialisation and batch sampling.
@@ -122,67 +129,8 @@ class TrainConfig:
     eval_tokens: int = 65536
 
 
-# ----------------------------------------------------------------------------- corpus
-def stdlib_root() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def is_heldout(relpath: str, permille: int) -> bool:
-    """The fixed split: by a hash of the file's path relative to the stdlib root."""
-    h = int(hashlib.sha256(relpath.encode()).hexdigest()[:8], 16)
-    return h < permille * 16**8 // 1000
-
-
-def build_corpus(permille: int, root: Path | None = None) -> dict[str, list[tuple[str, str]]]:
-    """``{"train": [(relpath, text)], "heldout": [...]}`` from the stdlib's ``.py`` files."""
-    root = root or stdlib_root()
-    split: dict[str, list[tuple[str, str]]] = {"train": [], "heldout": []}
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).as_posix()
-        if "site-packages" in rel or "dist-packages" in rel:
-            continue
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        if text.strip():
-            split["heldout" if is_heldout(rel, permille) else "train"].append((rel, text))
-    return split
-
-
-def train_tokenizer(texts: list[str], vocab_size: int):
-    """A byte-level BPE trained on ``texts``, wrapped as a transformers fast tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=2,
-        special_tokens=[EOS, PAD],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer=trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=EOS, eos_token=EOS, unk_token=None, pad_token=PAD, padding_side="left"
-    )
-
-
-def encode_stream(tokenizer, texts: list[str]) -> np.ndarray:
-    """All texts as one uint16 token stream, each followed by EOS."""
-    eos = tokenizer.convert_tokens_to_ids(EOS)
-    out: list[int] = []
-    for text in tqdm(texts, desc="tokenizing", unit="file", leave=False):
-        out.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
-        out.append(eos)
-    return np.asarray(out, dtype=np.uint16)
-
-
 # ----------------------------------------------------------------------------- models
-def make_model(cfg: TrainConfig, role: str, tokenizer):
+def make_model(cfg: PairConfig, role: str, tokenizer):
     """A freshly initialised ``LlamaForCausalLM`` for ``role`` ("target" or "draft")."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -214,14 +162,7 @@ def n_params(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def lr_at(step: int, cfg: TrainConfig, peak: float) -> float:
-    if step < cfg.warmup:
-        return peak * (step + 1) / cfg.warmup
-    t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * min(t, 1.0))))
-
-
-def batch_at(stream: np.ndarray, step: int, cfg: TrainConfig) -> torch.Tensor:
+def batch_at(stream: np.ndarray, step: int, cfg: PairConfig) -> torch.Tensor:
     """The step's batch ``[batch_size, context + 1]``: a pure function of (seed, step)."""
     g = np.random.default_rng([cfg.seed, step])
     starts = g.integers(0, len(stream) - cfg.context - 1, size=cfg.batch_size)
@@ -235,47 +176,9 @@ def make_optimizer(model, lr: float, wd: float):
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
 
 
-# ----------------------------------------------------------------------------- checkpoints
-def save_checkpoint(ckpt: Path, step: int, models: dict, opts: dict, history: list) -> None:
-    from safetensors.torch import save_file
-
-    tensors = {}
-    for role, model in models.items():
-        # named_parameters() lists a tied weight once (safetensors refuses shared storage).
-        for name, p in model.named_parameters():
-            tensors[f"{role}.model.{name}"] = p.detach().contiguous().cpu()
-        for i, state in opts[role].state_dict()["state"].items():
-            for key in ("exp_avg", "exp_avg_sq", "step"):
-                tensors[f"{role}.opt.{i}.{key}"] = torch.as_tensor(state[key]).detach().contiguous().cpu()
-    ckpt.mkdir(parents=True, exist_ok=True)
-    tmp = ckpt / "state.safetensors.tmp"
-    save_file(tensors, str(tmp))
-    tmp.replace(ckpt / "state.safetensors")
-    (ckpt / "meta.json").write_text(json.dumps({"step": step, "history": history}))
-
-
-def load_checkpoint(ckpt: Path, models: dict, opts: dict) -> tuple[int, list]:
-    from safetensors.torch import load_file
-
-    meta = json.loads((ckpt / "meta.json").read_text())
-    tensors = load_file(str(ckpt / "state.safetensors"))
-    for role, model in models.items():
-        prefix = f"{role}.model."
-        params = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
-        missing, unexpected = model.load_state_dict(params, strict=False)
-        if unexpected or set(missing) - {name for name, _ in model.named_buffers()} - {"lm_head.weight"}:
-            raise ValueError(f"checkpoint {ckpt} does not match the model: missing {missing}, unexpected {unexpected}")
-        sd = opts[role].state_dict()
-        for i in range(len(list(model.parameters()))):
-            if f"{role}.opt.{i}.exp_avg" in tensors:
-                sd["state"][i] = {key: tensors[f"{role}.opt.{i}.{key}"] for key in ("exp_avg", "exp_avg_sq", "step")}
-        opts[role].load_state_dict(sd)
-    return meta["step"], meta["history"]
-
-
 # ----------------------------------------------------------------------------- training
 @torch.no_grad()
-def heldout_loss(model, stream: np.ndarray, cfg: TrainConfig, device) -> float:
+def heldout_loss(model, stream: np.ndarray, cfg: PairConfig, device) -> float:
     """Mean next-token cross-entropy over the first ``eval_tokens`` held-out tokens."""
     model.eval()
     n = min(len(stream) - 1, cfg.eval_tokens) // cfg.context * cfg.context
@@ -291,12 +194,10 @@ def heldout_loss(model, stream: np.ndarray, cfg: TrainConfig, device) -> float:
     return total / count
 
 
-def draft_phase_step(models: dict, opt, inputs, labels, s: int, cfg: TrainConfig) -> tuple[float, float]:
+def draft_phase_step(models: dict, opt, inputs, labels, s: int, cfg: PairConfig) -> tuple[float, float]:
     """One step of the draft-only phase (step ``s`` of ``cfg.draft_steps``): KL to the frozen
     target's predictions. Returns (KL, the draft's cross-entropy, for the log)."""
-    warm = 10
-    t = (s - warm) / max(1, cfg.draft_steps - warm)
-    lr = cfg.draft_phase_lr * ((s + 1) / warm if s < warm else 0.1 + 0.45 * (1 + math.cos(math.pi * min(t, 1.0))))
+    lr = lr_at(s, peak=cfg.draft_phase_lr, warmup=10, steps=cfg.draft_steps)
     for group in opt.param_groups:
         group["lr"] = lr
     with torch.no_grad():
@@ -310,43 +211,8 @@ def draft_phase_step(models: dict, opt, inputs, labels, s: int, cfg: TrainConfig
     return kl.item(), F.cross_entropy(d_logits.detach(), labels).item()
 
 
-def prepare(out: Path, cfg: TrainConfig):
-    """Corpus split, tokenizer and token streams (cached in ``out``)."""
-    from transformers import AutoTokenizer
-
-    # The corpus and tokenizer depend only on these two fields; other options reuse them.
-    key = f"v{cfg.vocab_size}_h{cfg.heldout_permille}"
-    tok_dir, data = out / f"tokenizer_{key}", out / f"data_{key}"
-    if not (data / "heldout.npy").exists():
-        logger.info("building the corpus from %s", stdlib_root())
-        split = build_corpus(cfg.heldout_permille)
-        data.mkdir(parents=True, exist_ok=True)
-        (data / "corpus.json").write_text(
-            json.dumps(
-                {
-                    "root": str(stdlib_root()),
-                    "python": sys.version.split()[0],
-                    "rule": f"held out iff int(sha256(relpath)[:8], 16) < {cfg.heldout_permille} * 16**8 // 1000",
-                    **{k: [r for r, _ in v] for k, v in split.items()},
-                    "chars": {k: sum(len(t) for _, t in v) for k, v in split.items()},
-                },
-                indent=1,
-            )
-        )
-        logger.info("training the tokenizer (vocab %d) on %d files", cfg.vocab_size, len(split["train"]))
-        tokenizer = train_tokenizer([t for _, t in split["train"]], cfg.vocab_size)
-        tokenizer.save_pretrained(tok_dir)
-        for name, files in split.items():
-            np.save(data / f"{name}.tmp.npy", encode_stream(tokenizer, [t for _, t in files]))
-        for name in split:  # heldout.npy last: its presence marks a complete preparation
-            (data / f"{name}.tmp.npy").replace(data / f"{name}.npy")
-    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-    streams = {name: np.load(data / f"{name}.npy", allow_pickle=False) for name in ("train", "heldout")}
-    return tokenizer, streams
-
-
 def train(
-    out: Path, cfg: TrainConfig, device: str = "cpu", threads: int | None = None, stop_after: int | None = None
+    out: Path, cfg: PairConfig, device: str = "cpu", threads: int | None = None, stop_after: int | None = None
 ) -> dict:
     """Train (or resume) both models into ``out``; returns the evaluation summary.
 
@@ -405,7 +271,7 @@ def train(
             continue
         for role in models:
             for group in opts[role].param_groups:
-                group["lr"] = lr_at(step, cfg, peaks[role])
+                group["lr"] = lr_at(step, peak=peaks[role], warmup=cfg.warmup, steps=cfg.steps)
         t_logits = models["target"](inputs).logits.flatten(0, 1)
         t_loss = F.cross_entropy(t_logits, labels)
         d_logits = models["draft"](inputs).logits.flatten(0, 1)
@@ -475,26 +341,6 @@ def export_pair(run: Path, dest: Path, dtype: str = "float16") -> None:
     (dest / "prompts.json").write_text(json.dumps(prompts, indent=1))
 
 
-def heldout_prompts(root: Path, files: list[str], n: int = 12, lines: int = 6) -> list[dict]:
-    """Up to ``n`` code prompts from held-out files: in each file (in order) the first ``def``
-    past its first 20 lines, with the ``lines - 1`` lines after it (without the last newline)."""
-    prompts = []
-    for rel in files:
-        try:
-            text = (root / rel).read_text(encoding="utf-8").splitlines(keepends=True)
-        except (OSError, UnicodeDecodeError):
-            continue
-        for i in range(20, len(text) - lines):
-            if text[i].lstrip().startswith("def ") and all(t.strip() for t in text[i : i + lines]):
-                # No trailing newline: BPE merges a newline with the next line's indentation, so
-                # a prompt ending in a bare "\n" token would start from an unusual token.
-                prompts.append({"file": rel, "line": i + 1, "text": "".join(text[i : i + lines]).rstrip("\n")})
-                break
-        if len(prompts) == n:
-            break
-    return prompts
-
-
 def main(argv=None) -> int:
     """``python -m specfx.train.pair``: train (or resume) a pair, or ``--export`` one."""
     parser = argparse.ArgumentParser(
@@ -514,7 +360,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--dtype", default="float16", choices=("float16", "bfloat16", "float32"), help="weights dtype for --export"
     )
-    defaults = TrainConfig()
+    defaults = PairConfig()
     for name, value in asdict(defaults).items():
         parser.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
     args = parser.parse_args(argv)
@@ -523,7 +369,7 @@ def main(argv=None) -> int:
         export_pair(args.out, args.export, args.dtype)
         print(f"exported {args.out} to {args.export} ({args.dtype})")
         return 0
-    cfg = TrainConfig(**{name: getattr(args, name) for name in asdict(defaults)})
+    cfg = PairConfig(**{name: getattr(args, name) for name in asdict(defaults)})
     summary = train(args.out, cfg, args.device, args.threads, args.stop_after)
     print(json.dumps({r: summary[r] for r in ("target", "draft")}, indent=1))
     return 0

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import specfx
-from benchmarks.soak_compiles import CLASSES, MODES, REPLAYS, growing_request, soak_request
-from specfx.testing.tiny import perturbed_copy, tiny_causal_lm
 from specfx.sampling.core import Mode
+from specfx.testing.soak import CLASSES, MODES, REPLAYS, growing_request, soak_request
+from specfx.testing.tiny import perturbed_copy, tiny_causal_lm
 
 GREEDY = Mode(False, penalty=False)  # the graph mode of HF's defaults: greedy, no penalty, no sorts
 

@@ -1,2 +1,1 @@
-"""The tasks of ``specfx bench``, one module each.
-"""
+"""The tasks of ``specfx bench``, one module each."""

@@ -70,33 +70,29 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
-from specfx.model.load import check_model_dir, load_causal_lm, load_tokenizer
 from specfx.bench.harness import (
     BASELINE,
-    NO_EOS,
     first_mismatch,
-    hf_assisted,
-    hf_compile_config,
     log,
-    median_call_time,
     run_batches,
     spinner,
     sync_fn,
     torch_threads,
 )
 from specfx.bench.plot import acceptance_plot
+from specfx.bench.tasks.default_methods import build_methods, load_models, make_batches
+from specfx.bench.tasks.default_report import drafters_table, markdown_table
+from specfx.engine.timing import call_times
 
 __all__ = ["main", "parse_args", "run", "load_models", "DESCRIPTION"]
 
@@ -106,7 +102,6 @@ DESCRIPTION = (
     "prompt lookup), 'specfx bench selfspec --help' (early exit and MTP heads against HF's),\n"
     "'specfx bench trees --help' (token trees against chains at the same verification budget)."
 )
-NAMED_DRAFTERS = ("prompt_lookup", "early_exit", "mtp")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -166,7 +161,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.k_values = sorted({int(x) for x in ks if x != "auto"})
         args.batch_values = sorted({int(x) for x in args.batch_sizes.split(",") if x.strip()})
     except ValueError:
-        p.error(f"--k takes comma-separated integers or 'auto', --batch-sizes integers; got {args.k!r} and {args.batch_sizes!r}")
+        p.error(
+            f"--k takes comma-separated integers or 'auto', --batch-sizes integers; got {args.k!r} and {args.batch_sizes!r}"
+        )
     if not (args.k_values or args.auto) or not args.batch_values or min(args.k_values + args.batch_values) < 1:
         p.error("--k needs a positive integer or 'auto', --batch-sizes a positive integer")
     if args.auto and args.drafters is not None:
@@ -198,9 +195,13 @@ def round_overhead(spec, k: int, batch: dict, max_new_tokens: int, iters: int, c
     if draft is None:
         return {"error": f"drafter {type(spec.drafter).__name__} has no draft model to time"}
     target = spec.target_runner
+
+    def median_ms(fn) -> float:
+        return 1e3 * statistics.median(call_times(fn, iters, warmup=3, sync=sync))
+
     with torch.no_grad():
         spec.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False)  # state as generate leaves it
-        out = {"round_ms": 1e3 * median_call_time(spec.round_fn(), iters, sync)}
+        out = {"round_ms": median_ms(spec.round_fn())}
         ids = batch["input_ids"]
         rows, dev = ids.shape[0], ids.device
         start = ids.shape[1] + max_new_tokens + 1  # past every slot the generation used
@@ -215,160 +216,15 @@ def round_overhead(spec, k: int, batch: dict, max_new_tokens: int, iters: int, c
             return torch.compile(fwd, backend="inductor", fullgraph=True, dynamic=False) if compiled else fwd
 
         verify, step = part(target), part(draft)
-        out["verify_ms"] = 1e3 * median_call_time(lambda: verify(tok, pos), iters, sync)
-        out["draft_step_ms"] = 1e3 * median_call_time(lambda: step(tok_1, pos_1), iters, sync)
+        out["verify_ms"] = median_ms(lambda: verify(tok, pos))
+        out["draft_step_ms"] = median_ms(lambda: step(tok_1, pos_1))
     out["parts_ms"] = k * out["draft_step_ms"] + out["verify_ms"]
     out["overhead"] = out["round_ms"] / out["parts_ms"]
     out["parts_compiled"] = compiled
     return out
 
 
-# ----------------------------------------------------------------------------- models & prompts
-def load_models(args, device, dtype):
-    """(target, draft model or drafter name, tokenizer or None, description). Paths are local
-    model directories with safetensors weights (:mod:`specfx.model.load`); a bad one raises
-    ValueError before anything is loaded."""
-    from specfx.demo.pair import load_demo_pair
-
-    draft = args.draft
-    load_draft = draft is not None and draft.partition(":")[0] not in NAMED_DRAFTERS
-    if load_draft:
-        check_model_dir(draft)  # a bad path fails now, not after the target's load
-    if args.target is None:
-        target, draft_model, tok = load_demo_pair(device, dtype)
-        desc = "shipped demo pair (specfx/demo/demo_pair)"
-    else:
-        target, draft_model = load_causal_lm(args.target, dtype, device), None
-        tok, desc = load_tokenizer(args.target), f"target {args.target}"
-    if draft is None:
-        draft = draft_model if draft_model is not None else "prompt_lookup"
-    elif load_draft:
-        draft = load_causal_lm(draft, dtype, device)
-    return target, draft, tok, desc + (f", draft {args.draft}" if args.draft else "")
-
-
-def make_batches(tok, vocab: int, batch: int, num_prompts: int, device) -> list[dict]:
-    """Left-padded batches of held-out code prompts (random ids when there is no tokenizer)."""
-    from specfx.demo.pair import demo_prompts
-
-    texts = [p["text"] for p in demo_prompts()]
-    n_batches = max(1, math.ceil(num_prompts / batch))
-    batches = []
-    for j in range(n_batches):
-        rows = [texts[(j * batch + r) % len(texts)] for r in range(batch)]
-        if tok is not None:
-            enc = tok(rows, return_tensors="pt", padding=True, padding_side="left")
-        else:
-            g = torch.Generator().manual_seed(j)
-            ids = torch.randint(3, vocab, (batch, 48), generator=g)
-            enc = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-        batches.append({k: v.to(device) for k, v in enc.items() if k in ("input_ids", "attention_mask")})
-    return batches
-
-
 # ----------------------------------------------------------------------------- the run
-def build_methods(args, target, draft, batch: int, device) -> tuple[dict, dict]:
-    import specfx
-
-    n = args.max_new_tokens
-    greedy = dict(max_new_tokens=n, do_sample=False, pad_token_id=target.generation_config.pad_token_id, **NO_EOS)
-    methods: dict[str, Callable] = {
-        "hf_dynamic": lambda b: target.generate(**b, **greedy),
-        "hf_static": lambda b: target.generate(**b, cache_implementation="static", **greedy),
-    }
-    if not args.no_compile:
-        cc = hf_compile_config(device)
-        methods["hf_static_compiled"] = lambda b: target.generate(
-            **b, cache_implementation="static", compile_config=cc, **greedy
-        )
-    specs = {}
-    for k in args.k_values:
-        if batch == 1:
-            methods[f"hf_assisted@{k}"] = lambda b, k=k: assisted_generate(target, draft, k, b, greedy)
-        if args.drafter_names:
-            continue
-        for compiled in (False, True) if not args.no_compile else (False,):
-            name = f"specfx_{'compiled' if compiled else 'eager'}@{k}"
-            spec = specfx.speculate(target, draft=draft, num_speculative_tokens=k, compile=compiled)
-            methods[name] = lambda b, spec=spec: spec.generate(**b, **greedy)
-            specs[name] = spec
-    if args.auto and not args.drafter_names:
-        for compiled in (False, True) if not args.no_compile else (False,):
-            name = f"specfx_{'compiled' if compiled else 'eager'}@auto"
-            specs[name] = spec = specfx.speculate(target, draft=draft, num_speculative_tokens="auto", compile=compiled)
-            methods[name] = lambda b, spec=spec: spec.generate(**b, **greedy)
-    if args.drafter_names:
-        from specfx.demo.pair import demo_drafter
-    for d in args.drafter_names:  # the shipped drafters side by side (module docstring)
-        runs = [(str(k), dict(num_speculative_tokens=k)) for k in args.k_values]
-        if args.tree_budget:
-            runs.append((f"tree{args.tree_budget}", dict(tree=drafter_tree(d, args.tree_budget))))
-        for label, how in runs:
-            for compiled in (False, True) if not args.no_compile else (False,):
-                name = f"specfx_{'compiled' if compiled else 'eager'}[{d}]@{label}"
-                try:
-                    spec = specfx.speculate(target, draft=demo_drafter(d, draft), compile=compiled, **how)
-                except ValueError as e:  # e.g. K deeper than Medusa's heads: listed as not run
-                    methods[name] = lambda b, e=e: _raise(e)
-                    continue
-                methods[name] = lambda b, spec=spec: spec.generate(**b, **greedy)
-                specs[name] = spec
-    skip = {m for m in methods if m.split("@")[0] in args.skip_set or m in args.skip_set}
-    return {m: f for m, f in methods.items() if m not in skip}, {m: s for m, s in specs.items() if m not in skip}
-
-
-def drafter_tree(name: str, budget: int):
-    """The one tree per drafter of ``--tree-budget`` (module docstring)."""
-    from specfx.trees.types import TokenTree
-
-    if name in ("eagle3", "eagle"):
-        return TokenTree.eagle2(budget=budget)
-    if name == "medusa":
-        return TokenTree.medusa(budget=budget)
-    return TokenTree.topk(depth=max(1, budget // 2), branching=2, budget=budget)
-
-
-def _raise(e: Exception):
-    raise e
-
-
-def drafters_table(runs: dict, names: list[str]) -> str:
-    """α / τ per shipped drafter (rows) and K or tree (columns), eager runs, per batch size."""
-    lines = []
-    for batch, results in runs.items():
-        labels: list[str] = []
-        for name in results:
-            if name.startswith("specfx_eager[") and name.partition("@")[2] not in labels:
-                labels.append(name.partition("@")[2])
-        lines += [
-            f"Drafters side by side, batch {batch} (α accepted/proposed, τ tokens per round; eager):",
-            "",
-            "| drafter | " + " | ".join(f"K = {k}" if k.isdigit() else k for k in labels) + " |",
-            "|---|" + "---:|" * len(labels),
-        ]
-        for d in names:
-            cells = []
-            for label in labels:
-                r = results.get(f"specfx_eager[{d}]@{label}")
-                st = r.get("stats") if r and r["status"] == "ok" else None
-                ok = r is not None and r.get("same_tokens_as_hf_dynamic", True)
-                cells.append(
-                    "not run"
-                    if st is None
-                    else f"α {st['acceptance_rate']:.3f}, τ {st['tokens_per_round']:.2f}"
-                    + ("" if ok else " **NOT EQUAL**")
-                )
-            lines.append(f"| {d} | " + " | ".join(cells) + " |")
-        lines.append("")
-    return "\n".join(lines)
-
-
-def assisted_generate(target, draft, k: int, batch: dict, kwargs: dict) -> torch.Tensor:
-    """HF assisted generation with K constant proposals (settings restored after the call)."""
-    with hf_assisted(target, draft, k) as assisted:
-        return target.generate(**batch, **assisted, **kwargs)
-
-
 def bench_batch(args, methods, specs, batches, sync) -> dict:
     from tqdm.auto import tqdm
 
@@ -420,7 +276,9 @@ def bench_batch(args, methods, specs, batches, sync) -> dict:
             auto = specs[name].auto_k
             if auto is not None:  # the last call's Ks (one per window) and the round times it chose from
                 used = {k: auto.history.count(k) for k in sorted(set(auto.history))}
-                res["auto_k"] = dict(windows_per_k=used, round_times_ms={k: 1e3 * t for k, t in (auto.times or {}).items()})
+                res["auto_k"] = dict(
+                    windows_per_k=used, round_times_ms={k: 1e3 * t for k, t in (auto.times or {}).items()}
+                )
     if BASELINE in live:
         for name in live:
             results[name]["speedup_vs_hf_dynamic"] = results[BASELINE]["median_s"] / results[name]["median_s"]
@@ -437,53 +295,6 @@ def bench_batch(args, methods, specs, batches, sync) -> dict:
                 o = {"error": f"{type(e).__name__}: {e}"[:500]}
             results[name]["round_overhead"] = o
     return results
-
-
-def markdown_table(runs: dict) -> str:
-    lines = [
-        "| batch | method | tokens/s | vs hf_dynamic | vs hf_static_compiled | α | τ | same tokens as HF |",
-        "|---:|---|---:|---:|---:|---:|---:|---|",
-    ]
-    autos = []
-    for batch, results in runs.items():
-        best = results.get("hf_static_compiled", {})
-        for name, r in results.items():
-            if r["status"] != "ok":
-                lines.append(f"| {batch} | {name} | not run: {r['reason'][:80]} | | | | | |")
-                continue
-            st = r.get("stats")
-            a, t = (f"{st['acceptance_rate']:.3f}", f"{st['tokens_per_round']:.2f}") if st else ("", "")
-            same = {True: "yes", False: "**NO**", None: ""}[r.get("same_tokens_as_hf_dynamic")]
-            vs = f"{r['tokens_per_s'] / best['tokens_per_s']:.2f}×" if best.get("status") == "ok" else ""
-            lines.append(
-                f"| {batch} | {name} | {r['tokens_per_s']:.1f} | {r.get('speedup_vs_hf_dynamic', float('nan')):.2f}× "
-                f"| {vs} | {a} | {t} | {same} |"
-            )
-            if "auto_k" in r:
-                autos.append((batch, name, r["auto_k"]))
-    if autos:
-        lines += ["", "`auto`: sync windows per K in the last call; round times it measured (ms):", ""]
-        for batch, name, info in autos:
-            times = ", ".join(f"K={k}: {t:.2f}" for k, t in info["round_times_ms"].items())
-            lines.append(f"- batch {batch}, {name}: windows {info['windows_per_k']}; times {times}")
-    rows = [(b, n, r["round_overhead"]) for b, res in runs.items() for n, r in res.items() if "round_overhead" in r]
-    if rows:
-        lines += [
-            "",
-            "Round overhead = round / (K × draft step + verify of K+1 tokens), parts timed separately (ms):",
-            "",
-            "| batch | method | draft step | verify | K×d+v | round | overhead |",
-            "|---:|---|---:|---:|---:|---:|---:|",
-        ]
-        for batch, name, o in rows:
-            if "error" in o:
-                lines.append(f"| {batch} | {name} | not measured: {o['error'][:80]} | | | | |")
-                continue
-            lines.append(
-                f"| {batch} | {name} | {o['draft_step_ms']:.3f} | {o['verify_ms']:.3f} | {o['parts_ms']:.3f} "
-                f"| {o['round_ms']:.3f} | {o['overhead']:.2f}× |"
-            )
-    return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:

@@ -43,6 +43,7 @@ from collections import Counter
 
 import torch
 
+from specfx.bench.counters import hf_forwards
 from specfx.bench.harness import (
     BASELINE,
     NO_EOS,
@@ -55,7 +56,7 @@ from specfx.bench.harness import (
 )
 from specfx.bench.stdlib_code import default_target, load_target, pick_functions, task_prompt
 
-__all__ = ["main", "parse_args", "hf_forwards"]
+__all__ = ["main", "parse_args"]
 
 DESCRIPTION = (
     "Prompt lookup (fixed K and auto) and lookahead decoding against HF's prompt_lookup_num_tokens and\n"
@@ -104,38 +105,6 @@ def _wng(text: str) -> tuple[int, int, int]:
 
 
 # ----------------------------------------------------------------------------- acceptance
-class ForwardCounter:
-    """Counts a model's forwards and the tokens fed to each (for HF's acceptance)."""
-
-    def __init__(self, model):
-        self.lengths: list[int] = []
-        self.handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
-
-    def _hook(self, module, args, kwargs):
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        self.lengths.append(int(ids.shape[1]))
-
-    def close(self):
-        self.handle.remove()
-
-
-def hf_forwards(fn, target, prompts) -> tuple[int, int]:
-    """Run ``fn`` (an HF generate call) on every prompt: (target forwards, tokens proposed).
-    Each forward verifies the tokens fed beyond the pending one; the first also prefills."""
-    counter = ForwardCounter(target)
-    proposed = forwards = 0
-    try:
-        for p in prompts:
-            counter.lengths.clear()
-            fn(p)
-            lens = counter.lengths
-            forwards += len(lens)
-            proposed += (lens[0] - p.shape[1]) + sum(x - 1 for x in lens[1:])
-    finally:
-        counter.close()
-    return forwards, proposed
-
-
 def acceptance(args, methods, specs, target, prompts) -> dict:
     """α, τ and forwards per new token of every method, from one untimed pass."""
     out = {}

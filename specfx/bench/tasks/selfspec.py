@@ -43,7 +43,7 @@ import time
 
 import torch
 
-from specfx.drafters.early_exit import decoder_layer_names
+from specfx.bench.counters import hf_forwards
 from specfx.bench.harness import (
     BASELINE,
     NO_EOS,
@@ -56,6 +56,7 @@ from specfx.bench.harness import (
     torch_threads,
 )
 from specfx.bench.stdlib_code import default_target, load_target, pick_functions, task_prompt
+from specfx.model.capture import decoder_layer_names
 
 __all__ = ["main", "parse_args", "random_mtp_checkpoint"]
 
@@ -97,9 +98,9 @@ def random_mtp_checkpoint(directory: str):
     """A random Mellum-shaped MoE target with one random MTP layer, saved with its MTP weights
     (under ``mtp.``, where transformers' MtpModel.from_pretrained looks) and loaded back."""
 
+    from specfx.drafters.mtp import random_mtp_layers, save_with_mtp_layers
     from specfx.model.load import load_causal_lm
     from specfx.testing.tiny import tiny_causal_lm
-    from specfx.drafters.mtp import random_mtp_layers, save_with_mtp_layers
 
     model = tiny_causal_lm(
         "mellum", vocab_size=512, num_layers=6, hidden_size=256, intermediate_size=704, num_attention_heads=4,
@@ -159,22 +160,6 @@ def mtp_methods(args, target, bucket: int, common: dict):
 
 
 # ----------------------------------------------------------------------------- acceptance
-class TargetForwards:
-    """Full-depth target forwards and the tokens fed to each: a pre-hook on the last decoder layer."""
-
-    def __init__(self, model):
-        last = model.get_submodule(decoder_layer_names(model)[-1])
-        self.lengths: list[int] = []
-        self.handle = last.register_forward_pre_hook(self._hook, with_kwargs=True)
-
-    def _hook(self, module, args, kwargs):
-        hidden = args[0] if args else kwargs["hidden_states"]
-        self.lengths.append(int(hidden.shape[1]))
-
-    def close(self):
-        self.handle.remove()
-
-
 def acceptance(args, methods, specs, target, prompts) -> dict:
     out = {}
     new = args.max_new_tokens * len(prompts)
@@ -186,17 +171,8 @@ def acceptance(args, methods, specs, target, prompts) -> dict:
                 s = specs[name].stats
                 proposed, accepted, forwards = proposed + s.proposed, accepted + s.accepted, forwards + s.rounds + 1
         else:
-            counter = TargetForwards(target)
-            proposed = forwards = 0
-            try:
-                for p in prompts:
-                    counter.lengths.clear()
-                    fn(p)
-                    lens = counter.lengths
-                    forwards += len(lens)
-                    proposed += (lens[0] - p.shape[1]) + sum(x - 1 for x in lens[1:])
-            finally:
-                counter.close()
+            last_layer = target.get_submodule(decoder_layer_names(target)[-1])  # full-depth forwards only
+            forwards, proposed = hf_forwards(fn, last_layer, prompts)
             accepted = new - forwards
         out[name] = dict(
             alpha=accepted / proposed if proposed else None, tau=new / forwards, forwards_per_token=forwards / new

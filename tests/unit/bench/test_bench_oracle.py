@@ -1,5 +1,5 @@
-"""The benchmark oracle drafter (benchmarks/oracle.py) and the bandwidth floor model
-(benchmarks/floor.py): eager rounds on tiny models, one compiled round, hand-computed floors."""
+"""The benchmark oracle drafter (specfx/bench/oracle.py) and the bandwidth floor model
+(specfx/bench/floor.py): eager rounds on tiny models, one compiled round, hand-computed floors."""
 
 import copy
 import math
@@ -10,7 +10,7 @@ from transformers import GPT2Config, LlamaConfig
 from transformers.generation.logits_process import LogitsProcessorList
 
 import specfx
-from benchmarks.floor import (
+from specfx.bench.floor import (
     decode_floor_seconds,
     device_time,
     forward_bytes,
@@ -23,7 +23,7 @@ from benchmarks.floor import (
     round_floor_seconds,
     weight_bytes_read,
 )
-from benchmarks.oracle import OracleDrafter, expected_acceptance, greedy_continuation
+from specfx.bench.oracle import OracleDrafter, expected_acceptance, greedy_continuation
 from specfx.passes.checks.no_host_sync import offending_nodes
 from tests.conftest import left_padded, pair, prompt
 
@@ -234,9 +234,9 @@ def test_device_time_and_copy_bandwidth_on_cpu():
     assert math.isfinite(bw) and bw > 0
 
 
-# ----------------------------------------------------------------------------- the GPU bench script
+# ----------------------------------------------------------------------------- specfx bench gpu
 def test_bench_gpu_dry_run_predicts_the_full_config(capsys):
-    from benchmarks.bench_gpu import main
+    from specfx.bench.tasks.gpu import main
 
     assert main(["--dry-run"]) == 0  # meta-device models: nothing is allocated
     captured = capsys.readouterr()
@@ -254,7 +254,7 @@ def test_bench_gpu_smoke_runs_every_step(tmp_path):
     import sys
 
     cmd = [
-        sys.executable, "benchmarks/bench_gpu.py", "--smoke", "--batches", "2", "--methods",
+        sys.executable, "-m", "specfx.cli", "bench", "gpu", "--smoke", "--batches", "2", "--methods",
         "hf_dynamic,specfx_oracle,specfx_draft", "--alphas", "1", "--repeats", "1", "--micro-iters", "2",
         "--out-dir", str(tmp_path), "--tag", "t",
     ]  # fmt: skip
@@ -272,7 +272,7 @@ def test_bench_gpu_smoke_runs_every_step(tmp_path):
 def test_peaked_weights_decide_the_greedy_token_by_a_wide_margin():
     """gpu_plan.peak_logits: same shapes and dtypes, nothing zero, and in bf16 the greedy
     token beats the runner-up by far more than rounding (plain random init does not)."""
-    from benchmarks.gpu_plan import peak_logits
+    from specfx.bench.tasks.gpu_plan import peak_logits
 
     config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=False)  # fmt: skip
@@ -305,11 +305,11 @@ def transformers_model(config):
 
 
 def test_gpu_check_smoke_on_cpu(tmp_path):
-    """benchmarks/gpu_check.py runs its drafter check on the CPU (specfx_eager: traced, not
+    """specfx bench gpu_check runs its drafter check on the CPU (specfx_eager: traced, not
     Inductor-compiled; the CUDA-only sync and profile checks are skipped there)."""
     import json
 
-    from benchmarks import gpu_check
+    from specfx.bench.tasks import gpu_check
 
     gpu_check.main(["--device", "cpu", "--backend", "specfx_eager", "--sections", "drafters", "--only",
                     "prompt_lookup,eagle_chain", "--out-dir", str(tmp_path)])  # fmt: skip

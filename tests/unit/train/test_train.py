@@ -14,15 +14,15 @@ from safetensors.torch import load_file
 from specfx.cli import main as cli_main
 from specfx.drafters.heads.eagle import Eagle
 from specfx.drafters.heads.eagle3 import Eagle3
-from specfx.model.load import load_causal_lm
 from specfx.drafters.heads.medusa import Medusa
+from specfx.model.load import load_causal_lm
 from specfx.testing.tiny import tiny_causal_lm
 from specfx.train import main
 from specfx.train.data import load_texts
 from specfx.train.heads import draft_vocabulary, ttt_mask
 from tests.unit.drafters.heads import engine_rules as rules
 
-DEMO_TARGET = Path(__file__).resolve().parents[1] / "specfx" / "models" / "demo_pair" / "target"
+DEMO_TARGET = Path(__file__).resolve().parents[3] / "specfx" / "demo" / "demo_pair" / "target"
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 CLASSES = {"medusa": Medusa, "eagle": Eagle, "eagle3": Eagle3, "draft": load_causal_lm}
 

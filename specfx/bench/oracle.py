@@ -8,7 +8,7 @@ target's greedy token with probability α and a token guaranteed to differ other
 is one gather: a round with the oracle is the target's verification plus the machinery, so
 α = 1 measures the machinery's ceiling (every round emits K + 1 tokens).
 
-Not public API: it lives in ``benchmarks/`` and is used by ``bench_gpu.py`` and the tests.
+Not public API: a tool of ``specfx bench gpu`` (:mod:`specfx.bench.tasks.gpu`) and the tests.
 
 Usage::
 

@@ -1,4 +1,4 @@
-"""Tables and files of the GPU benchmark (bench_gpu.py): a markdown table of the ratios side
+"""Tables and files of the GPU benchmark (:mod:`specfx.bench.tasks.gpu`): a markdown table of the ratios side
 by side, one line of floors and measured forward times per combination, and the JSON of
 everything measured."""
 
@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 import math
 import platform
-import sys
 from pathlib import Path
 
 import torch
 import transformers
 
 import specfx
-from benchmarks.oracle import expected_acceptance
+from specfx.bench.oracle import expected_acceptance
 
 __all__ = ["fmt", "table", "floor_lines", "meta_info", "write", "print_summary"]
 
@@ -91,7 +90,7 @@ def meta_info(args, bandwidth) -> dict:
         gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
         copy_bandwidth=bandwidth,
         assumed=args.assumed,
-        command=" ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        command=args.command,
     )
 
 

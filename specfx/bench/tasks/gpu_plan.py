@@ -1,6 +1,6 @@
-"""Plan of the GPU benchmark (bench_gpu.py): model shapes, which methods run where, and a
+"""Plan of the GPU benchmark (:mod:`specfx.bench.tasks.gpu`): model shapes, which methods run where, and a
 prediction of the runtime, so that a run can be sized to the 10-minute limit of one command
-on the lent GPU before any device time is spent (``bench_gpu.py --dry-run``).
+on the lent GPU before any device time is spent (``specfx bench gpu --dry-run``).
 
 The prediction is a sum over the steps of each (pair, batch, context) combination:
 
@@ -21,9 +21,9 @@ import math
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from benchmarks.common import log
-from benchmarks.floor import forward_bytes, meta_model
-from benchmarks.oracle import expected_acceptance
+from specfx.bench.floor import forward_bytes, meta_model
+from specfx.bench.harness import log
+from specfx.bench.oracle import expected_acceptance
 
 __all__ = [
     "SHAPES",

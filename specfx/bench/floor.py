@@ -33,11 +33,12 @@ Models can live on the ``meta`` device: only shapes and dtypes are used, so the 
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from specfx.engine.timing import call_times
 
 __all__ = [
     "ForwardBytes",
@@ -167,25 +168,23 @@ def fraction_of_floor(measured_tokens_per_s: float, ideal: float) -> float:
 
 def device_time(fn: Callable[[], object], device, iters: int = 20, warmup: int = 3) -> float:
     """Median seconds of ``iters`` individually timed calls of ``fn`` after ``warmup`` calls:
-    CUDA events on a CUDA device (no host clock in the measurement), ``perf_counter`` elsewhere."""
+    CUDA events on a CUDA device (no host clock in the measurement), :func:`~specfx.engine.timing.call_times`
+    elsewhere."""
     device = torch.device(device)
+    if device.type != "cuda":
+        return statistics.median(call_times(fn, iters, warmup=warmup))
+    # CUDA events, not call_times' host clock: the device's own time, without launch overhead
     for _ in range(warmup):
         fn()
     times = []
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        for _ in range(iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-    else:
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize(device)
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
     return statistics.median(times)
 
 

@@ -1,0 +1,211 @@
+"""The ``drafters`` section of ``specfx bench gpu_check`` (:mod:`specfx.bench.tasks.gpu_check`):
+every drafter compiled on the device, greedy tokens against ``model.generate()``, one round
+graph per shape, Inductor's CUDA-graph skips, warm rounds under the sync detector, and a
+profile of one warm call; with the prompts and the settings every section shares."""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from types import SimpleNamespace
+
+import torch
+
+import specfx
+from specfx.testing.tiny import perturbed_copy, tiny_causal_lm
+from specfx.trees.types import TokenTree
+
+__all__ = ["SETTINGS", "SkipLog", "check_drafter", "left_padded", "prompt", "section_drafters"]
+
+# What main() was asked for: the device, the compile backend, the drafter cases to run (empty: all)
+SETTINGS = SimpleNamespace(device=torch.device("cuda"), backend="specfx", only=[])
+TREE = TokenTree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
+
+
+def prompt(length, batch=1, vocab=128, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (batch, length), generator=g)
+
+
+def left_padded(length, pads, seed=0, vocab=128):
+    ids = prompt(length, batch=len(pads), vocab=vocab, seed=seed)
+    mask = (torch.arange(length) >= torch.tensor(pads).unsqueeze(1)).long()
+    return ids * mask, mask
+
+
+class SkipLog(logging.Handler):
+    """Collects Inductor's "skipping cudagraphs due to ..." messages."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages = []
+
+    def emit(self, record):
+        msg = record.getMessage()
+        if "cudagraph" in msg.lower() and "skip" in msg.lower():
+            self.messages.append(msg[:400])
+
+
+def profile_generate(fn, rounds_before, spec):
+    """Profile one warm call: cudaGraphLaunch count, kernels, device busy fraction, gaps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    launches = sum(1 for e in prof.events() if e.name == "cudaGraphLaunch")
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+    )
+    busy, gaps, end = 0.0, [], None
+    for s, t in kernels:
+        if end is None or s > end:
+            if end is not None:
+                gaps.append(s - end)
+            busy += t - s
+            end = t
+        elif t > end:
+            busy += t - end
+            end = t
+    span = (kernels[-1][1] - kernels[0][0]) if kernels else 0.0
+    gaps.sort(reverse=True)
+    return dict(
+        graph_launches=launches,
+        rounds=spec.stats.rounds,
+        device_kernels=len(kernels),
+        span_us=round(span, 1),
+        busy_fraction=round(busy / span, 3) if span else None,
+        gaps_over_20us=sum(1 for g in gaps if g > 20),
+        largest_gaps_us=[round(g, 1) for g in gaps[:5]],
+    )
+
+
+def drafter_cases():
+    """(name, build(target, draft) -> speculate kwargs)."""
+    from specfx.drafters.heads.eagle import Eagle
+    from specfx.drafters.heads.eagle3 import Eagle3
+    from specfx.drafters.heads.medusa import Medusa
+
+    def medusa(t, d):
+        c = t.config.get_text_config()
+        return dict(
+            draft=Medusa.random(c.hidden_size, t.get_output_embeddings().weight.shape[0], num_heads=3),
+            num_speculative_tokens=3,
+        )
+
+    return [
+        ("draft_model", lambda t, d: dict(draft=d, num_speculative_tokens=4)),
+        ("prompt_lookup", lambda t, d: dict(draft="prompt_lookup", num_speculative_tokens=4)),
+        ("early_exit", lambda t, d: dict(draft="early_exit:1", num_speculative_tokens=3)),
+        ("tree_draft_model", lambda t, d: dict(draft=d, tree=TREE)),
+        ("medusa_tree", lambda t, d: dict(medusa(t, d), tree=TREE, num_speculative_tokens=None)),
+        ("eagle_chain", lambda t, d: dict(draft=Eagle.random(t, seed=1), num_speculative_tokens=3)),
+        (
+            "eagle_dynamic_tree",
+            lambda t, d: dict(draft=Eagle.random(t, seed=1), tree=TokenTree.eagle2(budget=8, depth=3, branching=3)),
+        ),
+        (
+            "eagle3_tree",
+            lambda t, d: dict(draft=Eagle3.random(t, draft_vocab_size=96, seed=1, layer_ids=[1, 2, 3]), tree=TREE),
+        ),
+    ]
+
+
+def check_drafter(name, kwargs, target, skiplog, batch1=False):
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    rec = dict(name=name)
+    skiplog.messages.clear()
+    t0 = time.monotonic()
+    spec = specfx.speculate(target, compile=True, backend=SETTINGS.backend, **kwargs)
+    gen = dict(max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
+    ok = True
+    for length, pads in [(10, (0, 3, 5)), (7, (2, 0, 0))]:  # second call: new contents, same shapes
+        ids, mask = left_padded(length, pads, seed=length)
+        ids, mask = ids.to(SETTINGS.device), mask.to(SETTINGS.device)
+        want = target.generate(ids, attention_mask=mask, **gen)
+        got = spec.generate(ids, attention_mask=mask, **gen)
+        ok &= bool(torch.equal(got, want))
+    if batch1:  # a second round graph (batch bucket 1)
+        ids, mask = prompt(12, seed=3).to(SETTINGS.device), None
+        ok &= bool(torch.equal(spec.generate(ids, **gen), target.generate(ids, **gen)))
+    gen["attention_mask"] = mask
+    rec["greedy_equal"] = ok
+    rec["compile_events"] = [str(e.key) for e in spec.compile_events]
+    rec["first_calls_s"] = round(time.monotonic() - t0, 1)
+    rec["cudagraph_skips"] = list(skiplog.messages)
+    # warm again at batch 1 (already compiled), then rounds under the sync detector
+    spec.generate(ids, **gen)
+    if SETTINGS.device.type != "cuda":
+        rec["ok"] = ok
+        return rec
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn = spec.round_fn()
+        for _ in range(3):
+            fn()
+        rec["sync_free_rounds"] = True
+    except Exception as e:  # noqa: BLE001
+        rec["sync_free_rounds"] = False
+        rec["sync_error"] = f"{type(e).__name__}: {e}"[:600]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    rec["profile"] = profile_generate(lambda: spec.generate(ids, **gen), 0, spec)
+    rec["compile_events_after"] = [str(e.key) for e in spec.compile_events]
+    rec["ok"] = ok and rec["sync_free_rounds"] and not rec["cudagraph_skips"]
+    return rec
+
+
+def section_drafters(results, deadline):
+    skiplog = SkipLog()
+    if SETTINGS.device.type == "cuda":  # process-wide logging: only in the GPU run, not in the CPU smoke test
+        for lname in ("torch._inductor", "torch._inductor.cudagraph_trees", "torch._inductor.utils"):
+            logging.getLogger(lname).addHandler(skiplog)
+        torch._logging.set_logs(perf_hints=True)  # "skipping cudagraphs due to ..." is a perf hint
+    target = tiny_causal_lm("llama", num_layers=4).to(SETTINGS.device)
+    draft = perturbed_copy(tiny_causal_lm("llama", num_layers=4), 0.03).to(SETTINGS.device)
+    out = results.setdefault("drafters", [])
+    for name, build in drafter_cases():
+        if SETTINGS.only and name not in SETTINGS.only:
+            continue
+        if time.monotonic() > deadline:
+            out.append(dict(name=name, skipped="deadline"))
+            continue
+        t0 = time.monotonic()
+        try:
+            rec = check_drafter(name, build(target, draft), target, skiplog, batch1=name == "draft_model")
+        except Exception:  # noqa: BLE001
+            rec = dict(name=name, ok=False, error=traceback.format_exc()[-3000:])
+        rec["seconds"] = round(time.monotonic() - t0, 1)
+        out.append(rec)
+        print(
+            f"[drafters] {name}: ok={rec.get('ok')} {rec.get('seconds')} s "
+            f"events={rec.get('compile_events_after')} skips={len(rec.get('cudagraph_skips', []))} "
+            f"profile={rec.get('profile')} err={(rec.get('error') or rec.get('sync_error') or '')[-400:]}",
+            flush=True,
+        )
+        yield
+    # MTP: needs a transformers with MtpModel
+    if time.monotonic() < deadline and (not SETTINGS.only or "mtp" in SETTINGS.only):
+        t0 = time.monotonic()
+        try:
+            from specfx.drafters import mtp as mtp_module
+
+            if mtp_module.mtp_support() is None:
+                rec = dict(name="mtp", skipped="this transformers has no MtpModel")
+            else:
+                from tests.unit.drafters.test_mtp import mtp_target
+
+                mt, layers = mtp_target("glm4_moe", 2)
+                mt = mt.to(SETTINGS.device)
+                layers = layers.to(SETTINGS.device)
+                rec = check_drafter("mtp", dict(draft=specfx.MTP(layers=layers), num_speculative_tokens=3), mt, skiplog)
+        except Exception:  # noqa: BLE001
+            rec = dict(name="mtp", ok=False, error=traceback.format_exc()[-3000:])
+        rec["seconds"] = round(time.monotonic() - t0, 1)
+        out.append(rec)
+        print(f"[drafters] mtp: ok={rec.get('ok')} {rec}"[:1500], flush=True)

@@ -25,7 +25,7 @@ from specfx.passes.backend import GraphRecord, GraphRecords, make_backend
 from specfx.passes.rewrites.live_kv import LiveKV
 from specfx.engine.chain_round import RoundState, prefill_step, round_step
 from specfx.model.runner import ModelRunner
-from specfx.sampling.core import Mode
+from specfx.sampling.processors import Mode
 from specfx.engine.stats import SpecStats
 from specfx.engine.step_replay import StepReplay
 from specfx.trees.types import DynamicTree, TokenTree

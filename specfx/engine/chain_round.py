@@ -13,7 +13,9 @@ import torch
 
 from specfx.model.dynamo import mark_static
 from specfx.model.hf_names import penalty_counts_left_padding
-from specfx.sampling.core import PLACEHOLDER, Mode, as_mode, greedy_verify, process_logits, rejection_verify, sample_from, uniform
+from specfx.sampling.accept import greedy_verify, rejection_verify
+from specfx.sampling.processors import PLACEHOLDER, Mode, as_mode, process_logits
+from specfx.sampling.rng import sample_from, uniform
 from specfx.trees.types import TokenTree
 
 __all__ = ["EOS_SLOTS", "RoundState", "RoundContext", "prefill_step", "round_step"]

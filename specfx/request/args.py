@@ -25,7 +25,7 @@ from specfx.request.values import (
     as_token_ids,
     check_logits_to_keep,
 )
-from specfx.sampling.core import SamplingParams
+from specfx.sampling.processors import SamplingParams
 from specfx.engine.step_replay import stopping_criteria
 
 __all__ = ["GenerateRequest", "infer_attention_mask", "resolve_generate_args"]

@@ -23,7 +23,7 @@ import torch
 import specfx
 from specfx.model.architectures import supported
 from specfx.testing.tiny import tiny_causal_lm
-from specfx.sampling.core import Mode
+from specfx.sampling.processors import Mode
 from specfx.trees.types import TokenTree
 
 from tests.conftest import left_padded, prompt, tiered

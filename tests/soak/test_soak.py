@@ -20,7 +20,7 @@ import torch
 import specfx
 from benchmarks.soak_compiles import CLASSES, MODES, REPLAYS, growing_request, soak_request
 from specfx.testing.tiny import perturbed_copy, tiny_causal_lm
-from specfx.sampling.core import Mode
+from specfx.sampling.processors import Mode
 
 GREEDY = Mode(False, penalty=False)  # the graph mode of HF's defaults: greedy, no penalty, no sorts
 

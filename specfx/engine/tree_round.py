@@ -29,11 +29,11 @@ import torch
 
 from specfx.drafters.base import Branching
 from specfx.engine.chain_round import RoundContext, commit, record, truncate
+from specfx.engine.plan import RoundShape
 from specfx.sampling.accept import emit_tokens, tree_accept
-from specfx.sampling.processors import Mode, as_mode
 from specfx.sampling.rng import uniform
 from specfx.trees.drafting import branch_view, tree_view
-from specfx.trees.types import DynamicTree, TokenTree, TreeTensors
+from specfx.trees.types import DynamicTree, TreeTensors
 
 __all__ = ["tree_round_step"]
 
@@ -41,21 +41,23 @@ _STREAM_TREE_ACCEPT = 1002
 _STREAM_TREE_RESIDUAL = 1003
 
 
-def tree_round_step(target, drafter, state, tree: TokenTree | DynamicTree, vocab: int, sample: Mode | bool, collect: bool = False):
+def tree_round_step(target, drafter, state, shape: RoundShape, vocab: int):
     """One token-tree round for every row (see the module docstring). With a
     :class:`~specfx.trees.types.DynamicTree` the drafter also chooses each row's tree
     (:meth:`~specfx.drafters.base.Drafter.propose_dynamic_tree`), and its tables replace the static
     ones for verification, the walk and compaction.
 
+    ``shape`` (:class:`~specfx.engine.plan.RoundShape`) holds the tree, the Mode and whether
+    to collect scores.
+
     Returns tokens ``[B, D+1]`` (emitted, PLACEHOLDER past ``n_emitted``) and n_emitted ``[B]``;
-    with ``collect`` also the processed scores and raw logits each emitted token was chosen
+    with ``shape.collect`` also the processed scores and raw logits each emitted token was chosen
     from, ``[B, D+1, V]`` each (the root's, then the accepted path's nodes').
     """
     s = state
-    mode = as_mode(sample)
-    sample = mode.sample
+    tree, sample = shape.tree, shape.mode.sample
     s.counter.add_(1)
-    ctx = RoundContext(s, tree.size, vocab, mode, tree=tree)
+    ctx = RoundContext(s, shape, vocab)
     n, d = tree.size, tree.depth
     b = s.tokens.shape[0]
     active = ~s.finished
@@ -63,13 +65,13 @@ def tree_round_step(target, drafter, state, tree: TokenTree | DynamicTree, vocab
 
     if isinstance(tree, DynamicTree):
         proposals, parents = drafter.propose_dynamic_tree(ctx)  # [B, N], [B, N+1]
-        ctx.tree = TreeTensors.from_parents(parents, d)
+        ctx.tree_tensors = TreeTensors.from_parents(parents, d)
     else:
         proposals = drafter.propose_tree(ctx)  # [B, N], or with per-row parents [B, N+1]
         if isinstance(proposals, tuple):
             proposals, parents = proposals
-            ctx.tree = TreeTensors.from_parents(parents, d)
-    tt = ctx.tree
+            ctx.tree_tensors = TreeTensors.from_parents(parents, d)
+    tt = ctx.tree_tensors
     pending = s.tokens.gather(1, lengths.unsqueeze(1))  # [B, 1]
     ids = torch.cat([pending, proposals], dim=1)  # [B, N+1]
     nodes = tuple(range(n + 1))
@@ -114,8 +116,8 @@ def tree_round_step(target, drafter, state, tree: TokenTree | DynamicTree, vocab
     if features is not None:  # the accepted path's features, the node at depth i in column i (now at slot L + i)
         along = path.unsqueeze(-1)
         drafter.observe(ctx, tuple(f.gather(1, along.expand(-1, -1, f.shape[-1])) for f in features), at, at)
-    record(s, active, n, n_accepted, n_emit, d)
-    if collect:
+    record(s, active, n, n_accepted, n_emit, shape.max_accepted)
+    if shape.collect:
         take = path.unsqueeze(-1).expand(-1, -1, vocab)
         return out, n_emit, scores.gather(1, take), logits.float().gather(1, take)
     return out, n_emit

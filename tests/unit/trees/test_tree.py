@@ -14,12 +14,12 @@ import torch
 from scipy import stats
 
 import specfx
-from specfx.engine import tree_round
-from specfx.sampling import accept
 from specfx.drafters.base import DraftModel
+from specfx.engine import tree_round
 from specfx.model.hf_names import output_cache
-from specfx.passes.checks.no_host_sync import offending_nodes
 from specfx.model.runner import ModelRunner
+from specfx.passes.checks.no_host_sync import offending_nodes
+from specfx.sampling import accept
 from specfx.trees.types import MAX_TREE_NODES, TokenTree, TreeTensors
 from tests.conftest import left_padded, pair, prompt
 

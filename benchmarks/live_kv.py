@@ -85,7 +85,7 @@ def run(contexts, batch: int, iters: int, backend: str) -> list[dict]:
             for on in (True, False):
                 times[on].append(_median_call(fns[on], 1))
         spec_on = specs[True][0]
-        capacity, live = spec_on._shape[1], spec_on.compile_events[-1].key[-1]
+        capacity, live = spec_on.state_slots.shape[1], spec_on.compile_events[-1].key[-1]
         cut = [dict(g.report.sites).get("live_kv", 0) for g in spec_on.graphs]
         row = dict(
             context=c,

@@ -4,7 +4,7 @@ Top-level API: :func:`speculate`, :class:`SpeculativeGenerator`, :class:`SpecCon
 :class:`SpecStats`, :class:`TokenTree`, :class:`PromptLookup`, :class:`Lookahead`, :class:`EarlyExit`,
 :class:`MTP`, and heads that read the target's hidden states: :class:`Medusa`, :class:`Eagle`
 (EAGLE-1/2), :class:`Eagle3`. Building blocks: :mod:`specfx.passes` (FX passes and the ``specfx``
-torch.compile backend), :mod:`specfx.drafters.base`, :mod:`specfx.sampling.core`.
+torch.compile backend), :mod:`specfx.drafters.base`, :mod:`specfx.sampling.processors`.
 """
 
 from specfx.config import MAX_SPECULATIVE_TOKENS, SpecConfig

@@ -1,42 +1,40 @@
-"""``speculate()`` and the generator it returns: the host loop around compiled rounds."""
+"""``speculate()`` and the generator it returns: the HF stand-in and the host loop around
+compiled rounds. Each job the loop needs is an object of :mod:`specfx.engine`: planning
+(:mod:`~specfx.engine.plan`), the graph LRU (:mod:`~specfx.engine.graphs`), the state
+(:mod:`~specfx.engine.state`), host reads and the output (:mod:`~specfx.engine.host`), "auto" K
+(:mod:`~specfx.engine.auto_k`)."""
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import logging
 import threading
 import time
 import types
-import weakref
-from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from transformers.utils import logging as hf_logging
 
-from specfx.engine.auto_k import AutoK
-from specfx.config import AUTO, MAX_SPECULATIVE_TOKENS, SpecConfig
-from specfx.drafters.base import branch_slots, resolve_drafter, shape_refusal
-from specfx.request.args import GenerateRequest, resolve_generate_args
-from specfx.model.dynamo import fresh_code, release_code
-from specfx.model.hf_names import penalty_counts_left_padding
-from specfx.passes.backend import GraphRecord, GraphRecords, make_backend
-from specfx.passes.rewrites.live_kv import LiveKV
+from specfx.config import SpecConfig
+from specfx.drafters.base import resolve_drafter
+from specfx.engine.auto_k import AutoK, RoundTimer
 from specfx.engine.chain_round import RoundState, prefill_step, round_step
-from specfx.model.runner import ModelRunner
-from specfx.sampling.core import Mode
+from specfx.engine.graphs import CompileEvent, GraphCache, quarter_octave
+from specfx.engine.host import OverlappedReads, finish, make_replay, overlap_reads, read_stats, sync_finished
+from specfx.engine.plan import RoundShape, plan_rounds
+from specfx.engine.state import StateSlots, load_request, model_signature
 from specfx.engine.stats import SpecStats
-from specfx.engine.step_replay import StepReplay
-from specfx.trees.types import DynamicTree, TokenTree
 from specfx.engine.tree_round import tree_round_step
+from specfx.model.hf_names import penalty_counts_left_padding
+from specfx.model.runner import ModelRunner
+from specfx.passes.backend import GraphRecord
+from specfx.request.args import resolve_generate_args
+from specfx.sampling.processors import GREEDY, Mode, as_mode
 
-__all__ = ["CompileEvent", "SpeculativeGenerator", "speculate"]
+__all__ = ["CompileEvent", "SpeculativeGenerator", "quarter_octave", "speculate"]  # the last two re-exported
 
 logger = logging.getLogger(__name__)
-
-# backends that run specfx's pass pipeline, hence the live-KV cut (decision 45)
-LIVE_BACKENDS = ("specfx", "specfx_eager")
 
 
 def speculate(
@@ -81,29 +79,6 @@ def speculate(
     return SpeculativeGenerator(model, draft, config)
 
 
-def release_code_map(codes: dict) -> None:
-    release_code(*codes.values())
-    codes.clear()
-
-
-@dataclass
-class CompileEvent:
-    """One graph variant compiled by a generator: its key and the wall time of its first call
-    (tracing, the passes, Inductor, plus one run)."""
-
-    key: tuple
-    seconds: float
-
-
-def quarter_octave(needed: int, smallest: int) -> int:
-    """``needed`` rounded up to ``smallest`` (a power of two), or above it to a multiple of a
-    quarter of the power of two below it: 64 -> 64, 65 -> 80, 129 -> 160, 257 -> 320."""
-    if needed <= smallest:
-        return smallest
-    step = max(1, (1 << (needed - 1).bit_length()) // 8)  # needed in (2^(n-1), 2^n]: quarter of 2^(n-1)
-    return -(-needed // step) * step
-
-
 class SpeculativeGenerator:
     """A target model plus a drafter, generating speculatively.
 
@@ -123,93 +98,51 @@ class SpeculativeGenerator:
         self.drafter = resolve_drafter(draft, model)
         self.drafter.bind(self.target_runner)
         self.target_runner.check_taps(self.drafter.taps)  # the hidden states it reads exist
-        own_tree = self.drafter.round_tree()  # a drafter that fixes the round's shape (lookahead)
-        if own_tree is not None:
-            if config.tree is not None or config.num_speculative_tokens == AUTO:
-                raise ValueError(
-                    f"the {self.drafter.name} drafter fixes each round's shape itself ({own_tree.size} nodes); "
-                    f"drop tree= and num_speculative_tokens='auto' (set the drafter's own parameters instead)."
-                )
-            config = dataclasses.replace(config, tree=own_tree)
-        if branch_slots(self.drafter) and self.drafter.taps:  # taps are captured per forward shape (N + 1 tokens)
-            raise ValueError(f"the {self.drafter.name} drafter both reads hidden-state taps and adds a branch; unsupported.")
-        self.spec_config = config
-        # a tree round, or None: a chain of K (a tree that is a short chain runs as that chain)
-        self.tree = config.tree
-        if own_tree is None and self.tree is not None and self.tree.is_chain and self.tree.size <= MAX_SPECULATIVE_TOKENS:
-            config = dataclasses.replace(config, num_speculative_tokens=self.tree.size, tree=None)
-            self.spec_config, self.tree = config, None
-        if self.tree is not None:
-            for why in (self.target_runner.tree_refusal(), shape_refusal(self.drafter, self.tree)):
-                if why is not None:
-                    where = f"draft={self.drafter.name!r} (it verifies a token tree each round)" if own_tree else "tree=..."
-                    raise ValueError(f"speculate({where}): {why}")
-        if isinstance(self.tree, DynamicTree) and self.tree.branching > self.target_runner.vocab_size:
-            raise ValueError(
-                f"speculate(tree={self.tree!r}): branching={self.tree.branching} exceeds the target's vocabulary "
-                f"of {self.target_runner.vocab_size} tokens; lower branching."
-            )
-        if config.num_speculative_tokens is None and self.tree is None:
-            config = self.spec_config = self._default_auto(config)
-        self._check_depth(config)
+        self.plan = plan_rounds(config, self.drafter, self.target_runner)
+        self.spec_config = config = self.plan.config
+        self.tree = self.plan.tree  # a tree round, or None: a chain of K
         self.drafter.prepare_tree(self.tree)
         self.auto_k = None  # AutoK for num_speculative_tokens="auto"; .history lists the Ks used
-        if config.num_speculative_tokens == AUTO:
-            resumable = self.drafter.resumable
-            self.auto_k = AutoK(config.k_values, config.auto_k_cost, config.auto_k_times, resumable=resumable)
-        # compiled graphs kept (SpecConfig.max_graphs; None: 16 per K a round may use)
-        per_k = 1 if self.tree is not None else len(config.k_values) + (self.auto_k is not None)
-        self.max_graphs = config.max_graphs or 16 * per_k
-        self._round_times: dict[tuple, dict[int, float]] = {}  # "auto": (rows, capacity, mode, collect) -> {K: s}
-        self._last_mode = Mode(False, penalty=False)  # the last call's graph mode (round_fn's default)
+        if self.plan.auto:
+            self.auto_k = AutoK(config.k_values, config.auto_k_cost, config.auto_k_times, resumable=self.drafter.resumable)
+        self.round_timer = RoundTimer()  # "auto": measured round times per graph shape
         # proposals per round at most (buffers keep this many scratch slots past the pending token)
-        self.k = max(config.k_values) if self.tree is None else self.tree.scratch_slots + branch_slots(self.drafter)
-        self._positions = self.k if self.tree is None else self.tree.depth  # accepted per round at most
+        self.k = self.plan.scratch_slots
         self.vocab = self.target_runner.vocab_size
-        self.state: RoundState | None = None
-        self._shape: tuple[int, int] | None = None  # (batch bucket, capacity) of the allocated state
-        self._live: tuple[int, int] | None = None  # (capacity, live-KV bound) (_grow_live); None: no call yet
-        self._signature: tuple | None = None  # dtypes/devices of the models when state was allocated
-        self.graphs: list[GraphRecord] = GraphRecords()
-        self._backend = make_backend(config.backend, self.graphs) if isinstance(config.backend, str) else config.backend
-        self._variants: OrderedDict[tuple, Callable] = OrderedDict()  # graph_key -> compiled fn (LRU)
-        self._codes: dict[tuple, types.CodeType] = {}  # graph_key -> its private code object
-        # Dynamo never frees a compiled code object's cache: release ours when this generator goes
-        weakref.finalize(self, release_code_map, self._codes)
-        self.compile_events: list[CompileEvent] = []
+        self._last_mode = GREEDY  # the last call's graph mode (round_fn's default)
+        self._shapes: dict[tuple, RoundShape] = {}  # (K, mode, collect) -> the one object passed to its graph
+        # compiled graphs kept (SpecConfig.max_graphs; None: 16 per K a round may use)
+        max_graphs = config.max_graphs or 16 * len(self.plan.shapes)
+        self.graph_cache = GraphCache(config.backend, max_graphs, config.live_kv, owner=self)
+        self.state_slots = StateSlots(config.min_capacity, self.vocab, self.plan.max_accepted)
+        self._reads = OverlappedReads()
         self._lock = threading.RLock()
-        self._pinned = None  # overlapped reads' host buffers (CUDA)
         self.stats = SpecStats()
         self.cumulative_stats = SpecStats()
 
-    def _default_auto(self, config: SpecConfig) -> SpecConfig:
-        """``num_speculative_tokens`` left at its default for a chain: "auto", among the
-        ``auto_k_values`` the drafter can propose (all of them when none is too deep for it;
-        when every one is, they stay, and :meth:`_check_depth` says so)."""
-        limit = self.drafter.max_depth
-        values = tuple(k for k in config.auto_k_values if limit is None or k <= limit) or config.auto_k_values
-        return dataclasses.replace(config, num_speculative_tokens=AUTO, auto_k_values=values)
+    @property
+    def state(self) -> RoundState | None:
+        """The allocated round state (None before the first call)."""
+        return self.state_slots.state
 
-    def _check_depth(self, config: SpecConfig) -> None:
-        """Refuse rounds deeper than the drafter can draft (``Drafter.max_depth``)."""
-        limit = self.drafter.max_depth
-        if limit is None:
-            return
-        if self.tree is not None:
-            if self.tree.depth > limit:
-                raise ValueError(
-                    f"speculate(tree=...): the tree is {self.tree.depth} deep, but the {self.drafter.name} "
-                    f"drafter proposes at most {limit} tokens along a path; use a tree of depth <= {limit}."
-                )
-            return
-        if max(config.k_values) > limit:
-            auto = config.num_speculative_tokens == AUTO
-            asked = f"auto_k_values={config.auto_k_values}" if auto else f"num_speculative_tokens={config.num_speculative_tokens}"
-            raise ValueError(
-                f"speculate(): {asked} asks for up to {max(config.k_values)} proposals per round, but the "
-                f"{self.drafter.name} drafter proposes at most {limit}; pass "
-                f"{'auto_k_values= with values' if auto else 'num_speculative_tokens='} <= {limit}."
-            )
+    @property
+    def graphs(self) -> list[GraphRecord]:
+        """What the backend recorded of each captured graph (:meth:`explain`)."""
+        return self.graph_cache.records
+
+    @property
+    def compile_events(self) -> list[CompileEvent]:
+        return self.graph_cache.compile_events
+
+    @property
+    def max_graphs(self) -> int:
+        return self.graph_cache.max_graphs
+
+    @property
+    def live_kv_bound(self) -> int | None:
+        """The KV slots the current graphs' attention reads (None before the first call)."""
+        shape = self.state_slots.shape
+        return None if shape is None else self.graph_cache.live_slots(shape[1])
 
     # ----------------------------------------------------------------- the wrapped model
     @property
@@ -250,140 +183,74 @@ class SpeculativeGenerator:
         return f"SpeculativeGenerator(target={type(self.model).__name__}, drafter={self.drafter.name}, {shape}, {mode})"
 
     # ----------------------------------------------------------------- graphs
-    def _prefill_impl(self, ids, sample: bool, collect: bool):
-        return prefill_step(self.target_runner, self.drafter, self.state, ids, self.vocab, sample, collect)
+    def _prefill_impl(self, shape: RoundShape, ids):
+        return prefill_step(self.target_runner, self.drafter, self.state, shape, self.vocab, ids)
 
-    def _round_impl(self, k, sample: bool, collect: bool):
-        if isinstance(k, (TokenTree, DynamicTree)):
-            return tree_round_step(self.target_runner, self.drafter, self.state, k, self.vocab, sample, collect)
-        return round_step(self.target_runner, self.drafter, self.state, k, self.vocab, sample, collect)
+    def _round_impl(self, shape: RoundShape):
+        step = round_step if shape.tree is None else tree_round_step
+        return step(self.target_runner, self.drafter, self.state, shape, self.vocab)
 
-    def graph_key(self, kind: str, *extra) -> tuple:
-        """The variant a compiled graph serves: ``(kind, batch bucket, capacity, *extra, live)``
-        (extra: K, sampling and collect for a round; prompt bucket, sampling and collect for a
-        prefill; live: the KV slots its attention reads, :meth:`live_bound`)."""
-        return (kind, *self._shape, *extra, self._live_slots())
+    def round_shape(self, k: int | None, mode: Mode, collect: bool) -> RoundShape:
+        """The round of K (None: the tree, or the largest K) for a call's mode: one object per
+        (K, mode, collect), so each graph sees the same constant every call."""
+        key = (k, mode, collect)
+        shape = self._shapes.get(key)
+        if shape is None:
+            shape = self._shapes[key] = self.plan.shape(k).for_call(mode, collect)
+        return shape
+
+    def graph_key(self, kind: str, *what) -> tuple:
+        """The variant a compiled graph serves: ``(kind, batch bucket, capacity, *what, live)``
+        (what: ``RoundShape.graph_id`` for a round, K or tree, mode and collect; prompt bucket,
+        mode and collect for a prefill; live: the KV slots its attention reads, :meth:`live_bound`)."""
+        return self.graph_cache.key(kind, *self.state_slots.shape, *what)
 
     def live_bound(self, prompt_width: int, max_new_tokens: int) -> int:
         """The KV slots a call's attention reads (issue 14, decision 45): no query of the call
         is at a position past ``prompt_width + max_new_tokens + K`` (tree: its scratch slots),
-        so every slot from ``prompt_width + max_new_tokens + K + 2`` on is masked, and attention
-        may stop before it. Rounded up to ``SpecConfig.live_kv``'s smallest bucket (64 by
-        default), above it to a quarter-octave step (64, 80, 96, 112, 128, 160, ..., 256, 320,
-        ...: at most 25 % more slots than needed, at most four bounds per doubling), and to the
-        capacity at most (no cut); the capacity when ``live_kv=False``."""
-        capacity = self._shape[1]
-        smallest = self.spec_config.live_kv
-        if smallest is False:
-            return capacity
-        return min(
-            quarter_octave(prompt_width + max_new_tokens + self.k + 2, 64 if smallest is True else smallest), capacity
-        )
+        so attention may stop before slot ``prompt_width + max_new_tokens + K + 2``; rounded
+        up by :meth:`specfx.engine.graphs.GraphCache.live_bound`."""
+        return self.graph_cache.live_bound(prompt_width + max_new_tokens + self.k + 2, self.state_slots.shape[1])
 
-    def _live_slots(self) -> int:
-        if self._live is None or self._live[0] != self._shape[1]:
-            return self._shape[1]
-        return self._live[1]
-
-    def _grow_live(self, bound: int) -> None:
-        """Make the live-KV bound at least ``bound``. Like the capacity, it only grows (decision
-        45): a warm generator serving a mixed workload keeps one graph per batch bucket and mode,
-        and the graphs of an outgrown bound are evicted at once."""
-        capacity = self._shape[1]
-        live = bound if self._live is None or self._live[0] != capacity else max(bound, self._live[1])
-        if self._live != (capacity, live):
-            for key in [k for k in self._variants if k[-1] != live]:
-                self._drop(key)
-            self._live = (capacity, live)
-
-    def _variant(self, kind: str, *extra) -> Callable:
-        """The callable for one graph variant: eager, or compiled on first use. Each variant
-        gets its own code object (a private Dynamo cache, so no variant counts against
-        another's recompile limit) and lives in an LRU of ``max_graphs`` entries."""
+    def _variant(self, kind: str, shape: RoundShape, bucket: int | None = None) -> Callable:
+        """The callable for one graph variant (a round of ``shape``, or the prefill of prompt
+        ``bucket`` in ``shape``'s mode): eager, or compiled on first use (:class:`GraphCache`)."""
         impl = SpeculativeGenerator._round_impl if kind == "round" else SpeculativeGenerator._prefill_impl
-        compiled = self.spec_config.compile and (kind == "round" or self.spec_config.compile_prefill)
-        if not compiled:
+        if not (self.spec_config.compile and (kind == "round" or self.spec_config.compile_prefill)):
             return types.MethodType(impl, self)
-        self._prepare_taps(kind, extra[0])
-        key = self.graph_key(kind, *extra)
-        fn = self._variants.get(key)
-        if fn is not None:
-            self._variants.move_to_end(key)
-            return fn
-        code = fresh_code(impl)
-        self._codes[key] = code.__code__
-        bound = types.MethodType(code, self)
-        backend = self._backend
-        capacity, live = self._shape[1], self._live_slots()
-        if live < capacity and isinstance(self.spec_config.backend, str) and self.spec_config.backend in LIVE_BACKENDS:
-            backend = make_backend(self.spec_config.backend, self.graphs, live=LiveKV(capacity, live))
-        compiled_fn = torch.compile(bound, backend=backend, fullgraph=True, dynamic=False)
+        self._prepare_taps(shape, bucket)
+        what = shape.graph_id if kind == "round" else (bucket, shape.mode, shape.collect)
+        return self.graph_cache.variant(self.graph_key(kind, *what), impl, self)
 
-        def first_call(*args):
-            # the host loop may call this object several times (rounds_per_sync > 1)
-            if not first_call.uncompiled:
-                return compiled_fn(*args)
-            logger.info("specfx: compiling the %s graph for %s (first use of this variant)", kind, key[1:])
-            start = time.monotonic()
-            try:
-                result = compiled_fn(*args)
-            except BaseException:
-                self._drop(key)  # a failed compile is retried next time, not kept
-                raise
-            first_call.uncompiled = False
-            self.compile_events.append(CompileEvent(key, time.monotonic() - start))
-            if key in self._variants:
-                self._variants[key] = compiled_fn
-            return result
-
-        first_call.uncompiled = True  # until its first call returns
-        self._variants[key] = first_call
-        while len(self._variants) > self.max_graphs:
-            evicted = next(iter(self._variants))
-            logger.info("specfx: evicting the compiled graph for %s (max_graphs=%d)", evicted, self.max_graphs)
-            self._drop(evicted)
-        return first_call
-
-    def _prepare_taps(self, kind: str, shape) -> None:
+    def _prepare_taps(self, shape: RoundShape, bucket: int | None) -> None:
         """Capture the target's tapped forward for the shape this graph calls it with (the
         prompt bucket, K + 1 or a tree's N + 1 tokens), eagerly, before Dynamo traces the graph
         (a capture cannot start inside that trace); a no-op once captured."""
-        taps, batch = self.drafter.taps, self._shape[0]
-        if kind == "prefill":
-            self.target_runner.prepare_taps(batch, shape, taps)
-        elif isinstance(shape, (TokenTree, DynamicTree)):
-            self.target_runner.prepare_taps(batch, shape.size + 1, taps, tree=shape)
-        elif shape > 0:  # K = 0 rounds (plain decoding) read no taps
-            self.target_runner.prepare_taps(batch, shape + 1, taps)
+        taps, batch = self.drafter.taps, self.state_slots.shape[0]
+        if bucket is not None:
+            self.target_runner.prepare_taps(batch, bucket, taps)
+        elif shape.tree is not None:
+            self.target_runner.prepare_taps(batch, shape.tree.size + 1, taps, tree=shape.tree)
+        elif shape.draft_tokens > 0:  # K = 0 rounds (plain decoding) read no taps
+            self.target_runner.prepare_taps(batch, shape.draft_tokens + 1, taps)
 
-    def _drop(self, key: tuple) -> None:
-        """Forget a variant and free what Dynamo compiled for it."""
-        self._variants.pop(key, None)
-        code = self._codes.pop(key, None)
-        if code is not None:
-            release_code(code)
-
-    def round_fn(self, k: int | None = None, sample: bool | None = None, collect: bool = False) -> Callable:
+    def round_fn(self, k: int | None = None, sample: Mode | bool | None = None, collect: bool = False) -> Callable:
         """One round of the allocated state (after a ``generate()`` call) as a callable
         returning ``(tokens [B, K+1], n_emitted [B])``; for benchmarks. K defaults to the
-        largest K; ``sample`` chooses the sampling round with every processing stage in the
-        graph (True) or the greedy one (False); None (default): the last call's graph."""
+        largest K (or the tree); ``sample`` chooses the sampling round with every processing
+        stage in the graph (True), the greedy one (False), or a Mode; None (default): the last
+        call's graph."""
         if self.state is None:
             raise RuntimeError("round_fn(): no state yet; call generate() once first.")
-        k = self._round_shape() if k is None else k
-        sample = self._last_mode if sample is None else sample
+        shape = self.round_shape(k, self._last_mode if sample is None else as_mode(sample), collect)
 
         def one_round():
             # the modes generate() runs in: grad mode is part of the graph's guards, so a round
             # called under another mode would recompile instead of replaying the graph
             with self._lock, torch.inference_mode(False), torch.no_grad():
-                return self._variant("round", k, sample, collect)(k, sample, collect)
+                return self._variant("round", shape)(shape)
 
         return one_round
-
-    def _round_shape(self):
-        """What a round verifies by default: the tree, or K (the largest K for "auto")."""
-        return self.tree if self.tree is not None else self.k
 
     def explain(self) -> str:
         """What was done to the model: the passes applied to each captured graph and its size."""
@@ -394,79 +261,13 @@ class SpeculativeGenerator:
             lines.append("no graph captured yet: graphs are captured on the first generate() call.")
         for i, g in enumerate(self.graphs):
             lines.append(f"graph {i}: {g.summary()}")
-        if self._variants:
-            lines.append("compiled variants kept (kind, batch bucket, capacity, ...): " + ", ".join(map(str, self._variants)))
+        if len(self.graph_cache):
+            lines.append("compiled variants kept (kind, batch bucket, capacity, ...): " + ", ".join(map(str, self.graph_cache)))
         return "\n".join(lines)
 
-    # ----------------------------------------------------------------- state
-    def _model_signature(self) -> tuple:
-        """dtype and device of every model in play: a change (``model.to(torch.bfloat16)``)
-        makes the allocated buffers and compiled graphs stale."""
-        models = [self.model, getattr(self.drafter, "model", None)]
-        return tuple((m.dtype, m.device) for m in models if m is not None)
-
-    def _prefill_width(self, seq_len: int) -> int:
-        """The width prompts are left-padded to for prefill: a prompt bucket
-        (``SpecConfig.prefill_buckets``) where a graph is made per width (a compiled prefill, or
-        hidden-state taps, captured per shape), else the longest prompt itself: an eager
-        prefill padded from 104 to 256 columns did 2.5x the work."""
-        if (self.spec_config.compile and self.spec_config.compile_prefill) or self.drafter.taps:
-            return self.spec_config.bucket(seq_len)
-        return seq_len
-
-    def _ensure_state(self, batch: int, needed: int) -> None:
-        """Allocate state for ``batch`` rows (a batch bucket) of at least ``needed`` slots.
-
-        Capacity only grows (power-of-two steps from ``min_capacity``); graphs of an outgrown
-        capacity are evicted at once. All-or-nothing: if any allocation fails (out of memory,
-        Ctrl-C, a failed re-check) the generator is left with no state and the next call
-        allocates afresh.
-        """
-        signature = self._model_signature()
-        if signature != self._signature:
-            if self._signature is not None:
-                logger.info("specfx: the model's dtype or device changed; reallocating and recompiling")
-            self.state, self._shape, self._signature = None, None, None
-            for key in list(self._variants):
-                self._drop(key)
-            self._round_times.clear()  # measured on the old dtype/device
-        cap = max(self.spec_config.min_capacity, self._shape[1] if self._shape else 0)
-        while cap < needed:
-            cap *= 2
-        if self._shape == (batch, cap):
-            return
-        if self._shape is not None and cap != self._shape[1]:
-            for key in [k for k in self._variants if k[2] != cap]:
-                self._drop(key)
-        self.state, self._shape = None, None
-        try:
-            self.target_runner.allocate(batch, cap)
-            self.drafter.allocate(batch, cap)
-            state = RoundState.allocate(batch, cap, self.vocab, self._positions, self.device)
-        except BaseException:
-            self._signature = None  # nothing half-allocated is ever used
-            raise
-        self.state, self._shape, self._signature = state, (batch, cap), signature
-
-    def _load_request(self, req: GenerateRequest, batch: int) -> None:
-        """Load one call's rows and settings into the state (``batch`` real rows; the rest of
-        the bucket are inert rows, finished from the start)."""
-        s, sp = self.state, req.sampling
-        bucket = s.live.shape[0]
-        prompt_lengths = torch.ones(bucket, dtype=torch.long, device=self.device)
-        prompt_lengths[:batch] = req.prompt_lengths
-        s.prompt_lengths.copy_(prompt_lengths)
-        s.gen_end.copy_(prompt_lengths + req.max_new_tokens)
-        s.live.copy_(torch.arange(bucket, device=self.device) < batch)
-        if sp.do_sample:  # HF-style: torch.manual_seed reproduces; greedy leaves the global RNG alone
-            s.seed.fill_(int(torch.randint(0, 2**62, (1,))))
-        for name, value in sp.device_values().items():
-            s.values[name].fill_(value)
-        eos = [t for t in sp.eos_token_ids if t >= 0]
-        if len(eos) > s.eos_ids.numel():  # rare: a larger buffer (the round recompiles once)
-            s.eos_ids = torch.full((1 << (len(eos) - 1).bit_length(),), -1, dtype=torch.long, device=self.device)
-        padded = eos + [-1] * (s.eos_ids.numel() - len(eos))
-        s.eos_ids.copy_(torch.tensor(padded, dtype=torch.long))
+    def reads_overlapped(self, replay, collect: bool) -> bool:
+        """Whether a call reads the finished flags one round late (SpecConfig.overlap_reads)."""
+        return overlap_reads(self.spec_config.overlap_reads, self.device, replay, collect, self.auto_k is not None)
 
     # ----------------------------------------------------------------- generate
     def generate(self, inputs=None, **kwargs):
@@ -502,24 +303,24 @@ class SpeculativeGenerator:
         # trash slot), so the longest prompt, not its bucket, sizes the buffers: attention reads
         # every slot of them (or, compiled, the live ones: decision 45)
         self._ensure_state(rows, seq_len + req.max_new_tokens + self.k + 2)
-        self._grow_live(self.live_bound(seq_len, req.max_new_tokens))
-        self._load_request(req, batch)
+        self.graph_cache.grow_live(self.state_slots.shape[1], self.live_bound(seq_len, req.max_new_tokens))
+        load_request(self.state, req, batch, self.device)
         # [rows, bucket]: columns past HF's own width hold -1 (never a token: the repetition
-        # penalty must not count them where it counts the caller's padding, round.prefill_step)
+        # penalty must not count them where it counts the caller's padding, chain_round.prefill_step)
         ids = torch.nn.functional.pad(req.input_ids, (bucket - seq_len, 0), value=-1)
         ids = torch.nn.functional.pad(ids, (0, 0, 0, rows - batch))
         collect = req.return_dict_in_generate and (req.output_scores or req.output_logits)
         steps = [] if collect else None  # per round: (scores, logits [B, T, V], n_emitted [B])
 
-        sample = req.sampling.mode()  # the graph variant: greedy/sampling and the stages in use
-        self._last_mode = sample
+        mode = self._last_mode = req.sampling.mode()  # the graph variant: greedy/sampling and the stages in use
         if self.auto_k is not None:
-            self.auto_k.reset(self._auto_k_times(sample, collect))
-        replay = self._replay(req, collect)
+            self.auto_k.reset(self._auto_k_times(mode, collect))
+        replay = make_replay(req, collect)
         if replay is not None:
             replay.start()  # the prompt first, as HF puts it
         start = time.monotonic()
-        first = self._variant("prefill", bucket, sample, collect)(ids, sample, collect)
+        prefill = self._shapes.setdefault(("prefill", mode, collect), RoundShape.chain(0, mode, collect))  # no proposals
+        first = self._variant("prefill", prefill, bucket)(prefill, ids)
         if collect:
             first, scores, logits = first
             steps.append((scores[:batch].clone(), logits[:batch].clone(), torch.ones(batch, dtype=torch.long)))
@@ -528,16 +329,16 @@ class SpeculativeGenerator:
             self._freeze(replay.feed(first.cpu()[:, None], [1] * batch, steps and steps[-1][0]))
 
         rounds_left = req.max_new_tokens  # every round emits >= 1 token per active row
-        auto, k = self.auto_k, self._round_shape()
-        overlap = self._overlap_reads(replay, collect)
+        shape = self.round_shape(None, mode, collect)
+        overlap = self.reads_overlapped(replay, collect)
         pending = None  # overlapped reads: the previous batch of rounds' flags, on their way to the host
-        while rounds_left > 0 and not (replay is not None and replay.done) and (overlap or not self._sync_finished()):
-            if auto is not None:
-                k = auto.k
-                auto.history.append(k)
-            round_fn = self._variant("round", k, sample, collect)
+        while rounds_left > 0 and not (replay is not None and replay.done) and (overlap or not sync_finished(self.state, self.auto_k)):
+            if self.auto_k is not None:
+                self.auto_k.history.append(self.auto_k.k)
+                shape = self.round_shape(self.auto_k.k, mode, collect)
+            round_fn = self._variant("round", shape)
             for _ in range(min(self.spec_config.rounds_per_sync, rounds_left)):
-                result = round_fn(k, sample, collect)
+                result = round_fn(shape)
                 out, n = result[0][:batch], result[1][:batch]
                 rounds_left -= 1
                 if collect:
@@ -547,162 +348,71 @@ class SpeculativeGenerator:
                     if replay.done:
                         break
             if overlap:
-                flags = self._flags_to_host()
-                if pending is not None and self._flags_done(pending):
+                flags = self._reads.start(self.state)
+                if pending is not None and self._reads.done(self.state, pending):
                     break  # the rounds just launched serve finished rows only: inert
                 pending = flags
             if req.max_time is not None and time.monotonic() - start > req.max_time:
                 break
-        if replay is None:
-            return self._finish(req, batch, [None] * batch, steps)
-        replay.end()
-        return self._finish(req, batch, replay.counts(), steps)
+        caps = [None] * batch
+        if replay is not None:
+            replay.end()
+            caps = replay.counts()
+        output = finish(self.state, req, batch, caps, steps, self.model, tr.cache)
+        self.stats = read_stats(self.state, batch)
+        self.cumulative_stats.merge(self.stats)
+        return output
 
-    def _replay(self, req: GenerateRequest, collect: bool) -> StepReplay | None:
-        """HF's per-step calls for a call with stopping criteria or a streamer (step_replay)."""
-        if req.streamer is None and req.stopping_criteria is None:
-            return None
-        eos, pad = req.sampling.eos_token_ids, req.pad_token_id
-        scores = collect and req.output_scores  # HF passes its scores tuple only then
-        return StepReplay(req.input_ids, req.max_new_tokens, eos, pad, req.pads_finished, req.stopping_criteria,
-                          req.streamer, scores)
+    def _prefill_width(self, seq_len: int) -> int:
+        """The width prompts are left-padded to for prefill: a prompt bucket
+        (``SpecConfig.prefill_buckets``) where a graph is made per width (a compiled prefill, or
+        hidden-state taps, captured per shape), else the longest prompt itself: an eager
+        prefill padded from 104 to 256 columns did 2.5x the work."""
+        if (self.spec_config.compile and self.spec_config.compile_prefill) or self.drafter.taps:
+            return self.spec_config.bucket(seq_len)
+        return seq_len
+
+    def _ensure_state(self, rows: int, needed: int) -> None:
+        """State for ``rows`` rows of at least ``needed`` slots (:class:`StateSlots`); a new
+        dtype or device also forgets the round times measured on the old one."""
+        signature = model_signature(self.model, getattr(self.drafter, "model", None))
+
+        def allocate_models(batch, capacity):
+            self.target_runner.allocate(batch, capacity)
+            self.drafter.allocate(batch, capacity)
+
+        if self.state_slots.ensure(rows, needed, signature, allocate_models, self.graph_cache, self.device):
+            self.round_timer.times_by_shape.clear()
 
     def _freeze(self, rows: list[int]) -> None:
         """Finish rows on the device (a stopping criterion stopped them: nothing more is generated)."""
         if rows:
             self.state.finished[rows] = True
 
-    def _auto_k_times(self, mode, collect, warmup: int = 2, repeats: int = 7) -> dict[int, float] | None:
+    def _auto_k_times(self, mode: Mode, collect: bool) -> dict[int, float] | None:
         """Round times of every candidate K (0 and ``auto_k_values``) for this call's graph
         shape, for "auto" (:mod:`specfx.engine.auto_k`): given (``auto_k_times``, ``auto_k_cost``:
-        None, the policy has them), remembered, or timed now. Timing runs each round graph
-        (compiling it first) on the allocated state with every row finished, so the rounds
-        change nothing a generation reads: prefill then rewrites the tokens, counters, caches
-        and drafter state they touched. The Ks are timed in turn, ``repeats`` times after
-        ``warmup`` calls each, and each K keeps its fastest time: load from other processes
-        only ever adds time, and taking turns spreads its drift over every K alike."""
+        None, the policy has them), remembered, or timed now (:class:`RoundTimer`). Timing runs
+        each round graph (compiling it first) on the allocated state with every row finished,
+        so the rounds change nothing a generation reads: prefill then rewrites the tokens,
+        counters, caches and drafter state they touched."""
         config = self.spec_config
         if config.auto_k_times is not None or config.auto_k_cost is not None:
             return None
         # one timing per batch bucket, capacity and mode: a call that only raises the live-KV
         # bound (decision 45) reuses it, and compiles only the Ks it then chooses
-        key = (*self._shape, mode, collect)
-        times = self._round_times.get(key)
-        if times is None:
+        key = (*self.state_slots.shape, mode, collect)
+        rounds = {}
+        if key not in self.round_timer.times_by_shape:
             self.state.finished.fill_(True)
             self.state.lengths.copy_(self.state.prompt_lengths)  # this call's rows (each >= 1), as prefill leaves them
-            ks = (0, *config.k_values)
-            fns = {k: self._variant("round", k, mode, collect) for k in ks}
-            new = [k for k in ks if getattr(fns[k], "uncompiled", False)]
+            shapes = {k: self.round_shape(k, mode, collect) for k in self.plan.shapes}  # 0, then auto_k_values
+            fns = {k: self._variant("round", shape) for k, shape in shapes.items()}
+            new = [k for k in shapes if getattr(fns[k], "uncompiled", False)]
             if config.compile and new:  # a wait of minutes on a CPU: say what it is, with progress
-                logger.info("specfx: 'auto' compiles and times a round graph per K in %s (once per shape)", ks)
+                logger.info("specfx: 'auto' compiles and times a round graph per K in %s (once per shape)", tuple(shapes))
                 for k in hf_logging.tqdm(new, desc="specfx: compiling the round graph of each K ('auto')", unit="graph"):
-                    fns[k](k, mode, collect)
-            times = {k: float("inf") for k in ks}
-            for i in range(warmup + repeats):
-                for k in ks:
-                    begin = time.perf_counter()
-                    fns[k](k, mode, collect)
-                    if self.device.type == "cuda":
-                        torch.cuda.synchronize(self.device)
-                    if i >= warmup:
-                        times[k] = min(times[k], time.perf_counter() - begin)
-            self._round_times[key] = times
-            logger.info("specfx: auto K round times for %s: %s", key, times)
-        return times
-
-    def _overlap_reads(self, replay, collect) -> bool:
-        """Whether this call reads the finished flags one round late (SpecConfig.overlap_reads)."""
-        if replay is not None or collect or self.auto_k is not None:
-            return False  # these read every round's tokens or counters
-        wanted = self.spec_config.overlap_reads
-        return self.device.type == "cuda" if wanted is None else wanted
-
-    def _flags_to_host(self):
-        """Start copying (all finished, any invalid) to the host behind the rounds launched so
-        far; returns what :meth:`_flags_done` waits on. On CUDA: a pinned buffer (two, used in
-        turn, so the copy in flight never overwrites the one being read) and an event."""
-        s = self.state
-        head = torch.stack([s.finished.all(), s.invalid.any()])
-        if not head.is_cuda:
-            return head, None
-        if self._pinned is None:
-            self._pinned = [torch.empty(2, dtype=torch.bool, pin_memory=True) for _ in range(2)]
-        buf = self._pinned[0]
-        self._pinned.reverse()
-        buf.copy_(head, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return buf, event
-
-    def _flags_done(self, pending) -> bool:
-        buf, event = pending
-        if event is not None:
-            event.synchronize()
-        done, invalid = buf.tolist()
-        if invalid:
-            self._raise_invalid()
-        return bool(done)
-
-    def _sync_finished(self) -> bool:
-        """The host's read between rounds: are all rows finished? The NaN flag comes back in
-        the same transfer, and with "auto" the acceptance counters that choose the next K."""
-        s = self.state
-        head = [s.finished.all().long(), s.invalid.any().long()]
-        if self.auto_k is None:
-            done, invalid = torch.stack(head).tolist()
-        else:
-            head += [s.accepted.sum(), s.row_rounds.sum()]
-            done, invalid, accepted, row_rounds, *per_position = torch.cat([torch.stack(head), s.per_position]).tolist()
-            self.auto_k.update(accepted, row_rounds, per_position)
-        if invalid:
-            self._raise_invalid()
-        return bool(done)
-
-    def _raise_invalid(self):
-        rows = torch.nonzero(self.state.invalid).flatten().tolist()
-        raise RuntimeError(
-            f"generate(): the target's next-token distribution of row(s) {rows} contains NaN or inf "
-            f"while sampling (transformers raises here too: 'probability tensor contains either inf, "
-            f"nan or element < 0'). The model produced non-finite logits: check its weights and dtype "
-            f"(float16 overflow is a common cause; try bfloat16 or float32)."
-        )
-
-    def _finish(self, req: GenerateRequest, batch: int, caps: list[int | None], steps):
-        """The output: row b's new tokens, at most ``caps[b]`` (the step replay's counts), padded."""
-        s = self.state
-        if bool(s.invalid.any()):  # the last round's flag (the loop may end without a read)
-            self._raise_invalid()
-        lengths = s.lengths[:batch].cpu()
-        prompt = req.prompt_lengths.cpu()
-        tokens = s.tokens[:batch].cpu()
-        counts = (lengths + 1 - prompt).tolist()
-        counts = [c if cap is None else min(c, cap) for c, cap in zip(counts, caps, strict=True)]
-        width = max(counts)
-        pad = req.pad_token_id if req.pad_token_id is not None else 0
-        new = torch.full((len(counts), width), pad, dtype=torch.long)
-        for b, c in enumerate(counts):
-            p = int(prompt[b])
-            new[b, :c] = tokens[b, p : p + c]
-        sequences = torch.cat([req.input_ids, new.to(self.device)], dim=1)
-        self._read_stats(batch)
-        if req.return_dict_in_generate:
-            from specfx.engine.outputs import generate_output  # HF's output classes, imported only when asked for
-
-            return generate_output(self.model, self.target_runner.cache, req, sequences, torch.tensor(counts), steps)
-        return sequences
-
-    def _read_stats(self, batch: int) -> None:
-        s = self.state
-        stats = SpecStats(
-            rounds=int(s.rounds),
-            proposed=int(s.proposed.sum()),
-            accepted=int(s.accepted.sum()),
-            emitted=int(s.emitted.sum()),
-            row_rounds=int(s.row_rounds.sum()),
-            per_position=s.per_position.tolist(),
-            per_row_accepted=s.accepted[:batch].tolist(),
-            per_row_proposed=s.proposed[:batch].tolist(),
-        )
-        self.stats = stats
-        self.cumulative_stats.merge(stats)
+                    fns[k](shapes[k])
+            rounds = {k: functools.partial(fns[k], shapes[k]) for k in shapes}
+        sync = functools.partial(torch.cuda.synchronize, self.device) if self.device.type == "cuda" else None
+        return self.round_timer.times(key, rounds, sync)

@@ -59,9 +59,11 @@ class SpecConfig:
             fixed K or a tree, 80 for "auto" with the default ``auto_k_values``).
         live_kv: attention reads only the KV slots a call can see (the ``live_kv`` graph pass,
             :mod:`specfx.passes.rewrites.live_kv`): the first ``L`` of the buffer's slots, ``L`` the
-            call's last position (prompt width + max_new_tokens + K + 2) rounded up to a power
-            of two, from 64 (True, default) or from the int given, and the capacity at most.
-            One compiled graph per such bucket. False: attention reads the whole buffer. Only
+            call's last position (prompt width + max_new_tokens + K + 2) rounded up to the
+            smallest bucket, 64 (True, default) or the int given, and above it to a quarter-octave
+            step (64, 80, 96, 112, 128, 160, ...: at most 25 % more slots than needed;
+            :func:`specfx.engine.graphs.quarter_octave`), and to the capacity at most. One
+            compiled graph per such bound. False: attention reads the whole buffer. Only
             the "specfx"/"specfx_eager" backends run the pass; output is the same either way.
         tree: a token tree (:class:`specfx.TokenTree`, or a list of nodes such as
             ``[(0,), (1,), (0, 0)]``) verified every round instead of a chain; it replaces

@@ -25,7 +25,7 @@ import torch
 
 from specfx.config import SpecConfig
 from specfx.drafters.base import Drafter
-from specfx.sampling.core import PLACEHOLDER
+from specfx.sampling.processors import PLACEHOLDER
 
 __all__ = ["OracleDrafter", "greedy_continuation", "expected_acceptance"]
 

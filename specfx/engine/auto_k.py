@@ -49,9 +49,14 @@ process or on another machine. Greedy output equals plain greedy whatever K is c
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+from collections.abc import Callable, Mapping
 
-__all__ = ["AutoK", "expected_emitted"]
+from specfx.engine.timing import call_times
+
+__all__ = ["AutoK", "RoundTimer", "expected_emitted"]
+
+logger = logging.getLogger(__name__)
 
 DECAY = 0.8  # weight of the previous estimate per sync window
 PRIOR_ACCEPTED, PRIOR_TRIALS = 1.0, 2.0  # α̂ = 0.5 before anything is measured
@@ -168,3 +173,33 @@ class AutoK:
         # per_position[k - 1] of the new K is the baseline for the next window's "full" count
         self._last = (accepted, row_rounds, per_position[self.k - 1] if self.k else 0)
         return self.k
+
+
+class RoundTimer:
+    """The measured round times of "auto": one ``{K: seconds}`` per graph shape, in
+    :attr:`times_by_shape` (a dict a test may read or overwrite: ``(batch bucket, capacity,
+    mode, collect) -> {K: s}``). A call that only raises the live-KV bound (decision 45) reuses
+    its shape's timing, and compiles only the Ks it then chooses."""
+
+    def __init__(self, warmup: int = 2, repeats: int = 7):
+        self.warmup, self.repeats = warmup, repeats
+        self.times_by_shape: dict[tuple, dict[int, float]] = {}
+
+    def times(self, shape_key: tuple, rounds: Mapping[int, Callable[[], object]], sync=None) -> dict[int, float]:
+        """Round times of every candidate K (``rounds``: K -> one round's call, compiled
+        already) for ``shape_key``: remembered, or timed now. The Ks are timed in turn,
+        ``repeats`` times after ``warmup`` calls each, and each K keeps its fastest time: load
+        from other processes only ever adds time, and taking turns spreads its drift over every
+        K alike. ``sync`` (CUDA: synchronize) runs inside each timing."""
+        times = self.times_by_shape.get(shape_key)
+        if times is not None:
+            return times
+        times = {k: float("inf") for k in rounds}
+        for i in range(self.warmup + self.repeats):
+            for k, one_round in rounds.items():
+                (seconds,) = call_times(one_round, 1, sync=sync)
+                if i >= self.warmup:
+                    times[k] = min(times[k], seconds)
+        self.times_by_shape[shape_key] = times
+        logger.info("specfx: auto K round times for %s: %s", shape_key, times)
+        return times

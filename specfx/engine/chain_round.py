@@ -11,10 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
+from specfx.engine.plan import RoundShape
 from specfx.model.dynamo import mark_static
 from specfx.model.hf_names import penalty_counts_left_padding
-from specfx.sampling.core import PLACEHOLDER, Mode, as_mode, greedy_verify, process_logits, rejection_verify, sample_from, uniform
-from specfx.trees.types import TokenTree
+from specfx.sampling.accept import greedy_verify, rejection_verify
+from specfx.sampling.processors import PLACEHOLDER, process_logits
+from specfx.sampling.rng import sample_from, uniform
+from specfx.trees.types import TokenTree, TreeTensors
 
 __all__ = ["EOS_SLOTS", "RoundState", "RoundContext", "prefill_step", "round_step"]
 
@@ -100,15 +103,17 @@ class RoundState:
 class RoundContext:
     """What a drafter and the verifier share inside one round (or prefill)."""
 
-    def __init__(self, state: RoundState, k: int, vocab: int, sample: Mode | bool, tree: TokenTree | None = None):
+    def __init__(self, state: RoundState, shape: RoundShape, vocab: int):
         self.state = state
-        self.k = k  # proposals this round (a tree's node count)
-        self.token_tree = tree  # the round's TokenTree (None: a chain of K)
-        # its TreeTensors (a DynamicTree's are the drafter's, set by the round once drafted)
-        self.tree = tree.tensors(state.tokens.device) if isinstance(tree, TokenTree) else None
+        self.shape = shape  # the round's RoundShape (a graph constant)
+        self.k = shape.draft_tokens  # proposals this round (a tree's node count)
+        self.token_tree = shape.tree  # the round's TokenTree or DynamicTree (None: a chain of K)
+        # its tables (a DynamicTree's are the drafter's, set by the round once drafted)
+        self.tree_tensors: TreeTensors | None = (
+            shape.tree.tensors(state.tokens.device) if isinstance(shape.tree, TokenTree) else None
+        )
         self.vocab = vocab
-        self.mode = as_mode(sample)  # a graph constant (one graph per mode)
-        self.sample = self.mode.sample  # sampling or greedy
+        self.mode = shape.mode  # a graph constant (one graph per mode)
         self.tokens = state.tokens
         self.lengths = state.lengths
         self._block: torch.Tensor | None = None  # [B, K, V] uniforms of this round's draft steps, made on first use
@@ -146,7 +151,7 @@ class RoundContext:
         predicting its children): a node at depth d predicts position ``lengths + 1 + d``, and
         the tokens on its path (``tokens [B, N+1]``: the pending token, then the nodes) count
         as generated for the repetition penalty."""
-        s, tree = self.state, self.tree
+        s, tree = self.state, self.tree_tensors
         b, t, v = logits.shape
         q = torch.tensor(queries, device=logits.device)
         depth = tree.depth.expand(b, -1)[:, q]  # [B, T]
@@ -164,13 +169,13 @@ class RoundContext:
         """The next token from processed ``scores [B, T, V]``: sampled from their softmax when
         sampling, else their argmax. Returns ``(token [B, T], probs [B, T, V] or None)``; probs
         is what a sampled token was drawn from (q for a drafter), None when greedy."""
-        if not self.sample:
+        if not self.mode.sample:
             return scores.argmax(dim=-1), None
         probs = scores.softmax(dim=-1)
         return sample_from(probs, self.uniform(stream, probs.shape)), probs
 
 
-def prefill_step(target, drafter, state: RoundState, ids: torch.Tensor, vocab: int, sample: Mode | bool, collect: bool = False):
+def prefill_step(target, drafter, state: RoundState, shape: RoundShape, vocab: int, ids: torch.Tensor):
     """Prefill target and drafter on the prompt and choose the first new token.
 
     ``ids [B, P]`` is the prompt left-padded to a bucket length P (so every row's last real
@@ -179,11 +184,12 @@ def prefill_step(target, drafter, state: RoundState, ids: torch.Tensor, vocab: i
     position and slot j; padding goes to the trash slot and to position 0, so it only sees
     slot 0 (a real token) and nothing real ever sees it. Inert rows (``live`` False) are
     finished from the start. Returns the first token ``[B]``; with ``collect`` also the
-    processed scores and raw logits it was chosen from, ``[B, 1, V]`` each.
+    processed scores and raw logits it was chosen from, ``[B, 1, V]`` each. ``shape``: a
+    chain of 0 (:class:`~specfx.engine.plan.RoundShape`) whose Mode chooses the first token
+    and whose ``collect`` says whether to return the scores.
     """
     s = state
-    mode = as_mode(sample)
-    sample = mode.sample
+    mode = shape.mode
     b, p = ids.shape
     col = torch.arange(p, device=ids.device).unsqueeze(0)
     pos = col - (p - s.prompt_lengths).unsqueeze(1)  # [B, P], negative on padding
@@ -203,13 +209,13 @@ def prefill_step(target, drafter, state: RoundState, ids: torch.Tensor, vocab: i
     s.seen.zero_()
     s.seen.scatter_add_(1, given, counted.int())
     s.counter.zero_()
-    ctx = RoundContext(s, 0, vocab, mode)
+    ctx = RoundContext(s, shape, vocab)
     # gen_index of the first token is 0: process() predicts lengths + 1 + first - prompt_len
     s.lengths.copy_(s.prompt_lengths - 1)
     scores = ctx.process(logits, 0, [])  # [B, 1, V]
     first, probs = ctx.choose(scores, _STREAM_PREFILL)
     first = first[:, 0]  # [B]
-    if sample:
+    if mode.sample:
         s.invalid.copy_(s.live & probs[:, 0].isnan().any(dim=-1))
     else:
         s.invalid.zero_()
@@ -222,7 +228,7 @@ def prefill_step(target, drafter, state: RoundState, ids: torch.Tensor, vocab: i
         t.zero_()
     if features is not None:
         drafter.observe(ctx, features, pos, slots)  # after the first token is committed
-    if collect:
+    if shape.collect:
         return first, scores, logits.float()
     return first
 
@@ -267,22 +273,22 @@ def record(s: RoundState, active: torch.Tensor, proposed: int, n_accepted: torch
     s.per_position[:depth].add_((reached & active.unsqueeze(1)).long().sum(dim=0))
 
 
-def round_step(target, drafter, state: RoundState, k: int, vocab: int, sample: Mode | bool, collect: bool = False):
+def round_step(target, drafter, state: RoundState, shape: RoundShape, vocab: int):
     """One speculative round for every row; finished rows are carried along unchanged.
-    ``sample`` is the round's :class:`~specfx.sampling.core.Mode` (or a bare flag: every stage on).
-    K = 0 is plain decoding through the same state: no drafter, one token verified per row.
+    ``shape`` (:class:`~specfx.engine.plan.RoundShape`, a chain) holds K
+    (``shape.draft_tokens``), the Mode and whether to collect scores. K = 0 is plain decoding
+    through the same state: no drafter, one token verified per row.
 
     Returns:
         tokens ``[B, K+1]``: emitted tokens, PLACEHOLDER past ``n_emitted``.
         n_emitted ``[B]``: 0 for rows already finished, else 1..K+1 (after EOS/length truncation).
-        with ``collect``: the processed scores and raw logits of the K+1 verified positions
+        with ``shape.collect``: the processed scores and raw logits of the K+1 verified positions
         ``[B, K+1, V]`` each (emitted token i was chosen from position i).
     """
     s = state
-    mode = as_mode(sample)
-    sample = mode.sample
+    k, sample = shape.draft_tokens, shape.mode.sample
     s.counter.add_(1)
-    ctx = RoundContext(s, k, vocab, mode)
+    ctx = RoundContext(s, shape, vocab)
     active = ~s.finished
     lengths = s.lengths
 
@@ -312,7 +318,7 @@ def round_step(target, drafter, state: RoundState, k: int, vocab: int, sample: M
     commit(s, out, n, emitted, done)
     if features is not None:
         drafter.observe(ctx, features, pos, pos)  # after the emitted tokens are committed
-    record(s, active, k, n_accepted, n, k)
-    if collect:
+    record(s, active, k, n_accepted, n, shape.max_accepted)
+    if shape.collect:
         return out, n, scores, logits.float()
     return out, n

@@ -9,7 +9,7 @@ depth D in place of a chain of K:
 2. one target forward over ``[pending, node 1, ..., node N]``: node ``n`` at position
    ``L + depth[n]``, written to scratch slot ``L + n``, seeing the committed prefix and its own
    ancestors (:func:`specfx.model.masks.visible_slots`);
-3. the walk (:func:`tree_accept`) from the root picks the accepted path and the token after
+3. the walk (:func:`specfx.sampling.accept.tree_accept`) from the root picks the accepted path and the token after
    it;
 4. the accepted path's KV moves from its scratch slots to the committed slots
    ``L + 1 .. L + m`` (target and drafter caches), so every cache is what it would be had the
@@ -29,91 +29,35 @@ import torch
 
 from specfx.drafters.base import Branching
 from specfx.engine.chain_round import RoundContext, commit, record, truncate
-from specfx.sampling.core import Mode, _emit, as_mode, sample_from, uniform
+from specfx.engine.plan import RoundShape
+from specfx.sampling.accept import emit_tokens, tree_accept
+from specfx.sampling.rng import uniform
 from specfx.trees.drafting import branch_view, tree_view
-from specfx.trees.types import DynamicTree, TokenTree, TreeTensors
+from specfx.trees.types import DynamicTree, TreeTensors
 
-__all__ = ["tree_accept", "tree_round_step"]
+__all__ = ["tree_round_step"]
 
 _STREAM_TREE_ACCEPT = 1002
 _STREAM_TREE_RESIDUAL = 1003
 
 
-def tree_accept(
-    scores: torch.Tensor,  # [B, N+1, V] processed target scores at the root and every node
-    tokens: torch.Tensor,  # [B, N+1] the pending token, then the node tokens
-    tree: TreeTensors,
-    sample: bool,
-    u_accept: torch.Tensor | None = None,  # [B, N] uniforms, one per node (sampling)
-    u_residual: torch.Tensor | None = None,  # [B, V] uniforms (sampling)
-):
-    """Walk the tree from the root; returns ``(stop [B], last [B], probs [B, N+1, V] | None)``:
-    the deepest accepted node (0 = none accepted), the token emitted after the accepted path,
-    and the target's probabilities (sampling).
-
-    Greedy: at each node take the first child (in rank order) equal to the target's argmax
-    there; ``last`` is the argmax at the stop node.
-
-    Sampling (multi-candidate speculative sampling with one-hot proposals, as in SpecInfer):
-    at a node with target distribution p, try its children in order; child c is accepted with
-    probability p'(c), where p' is p with the children rejected so far at this node set to 0
-    and renormalised; after an acceptance the walk continues at c with c's own distribution.
-    If every child is rejected (or the node is a leaf) ``last`` is sampled from p' (p with
-    all of the node's children removed). Each token's total probability at a node is then
-    exactly p(token): c1 is emitted with p(c1); c2 with (1 - p(c1)) * p(c2) / (1 - p(c1)); and
-    a token that is no child with (1 - sum p(children)) * p(x) / (1 - sum p(children)).
-    A token proposed twice under one node is rejected on its second try (p' is 0 there).
-
-    The walk is one pass over the nodes in index order: node n is tried iff its parent is the
-    current node, which holds because parents precede children and siblings are in rank order.
-    """
-    b, n1, v = scores.shape
-    parent = tree.parent.expand(b, -1)[:, 1:]  # [B, N]
-    node_tokens = tokens[:, 1:]  # [B, N]
-    cur = torch.zeros(b, dtype=torch.long, device=scores.device)
-    if not sample:
-        best = scores.argmax(dim=-1)  # [B, N+1]
-        hit = node_tokens == best.gather(1, parent)  # [B, N]
-        for n in range(1, n1):
-            cur = torch.where((parent[:, n - 1] == cur) & hit[:, n - 1], n, cur)
-        return cur, best.gather(1, cur.unsqueeze(1)).squeeze(1), None
-    p = scores.softmax(dim=-1)  # [B, N+1, V]
-    p_node = p.reshape(b, n1 * v).gather(1, parent * v + node_tokens)  # [B, N]: p(token) at its parent
-    earlier = torch.ones(n1 - 1, n1 - 1, dtype=torch.bool, device=scores.device).tril(-1)
-    dup = ((parent.unsqueeze(2) == parent.unsqueeze(1)) & (node_tokens.unsqueeze(2) == node_tokens.unsqueeze(1)) & earlier).any(-1)
-    p_node = torch.where(dup, 0.0, p_node)
-    rejected = torch.zeros(b, dtype=p.dtype, device=scores.device)  # mass rejected at the current node
-    for n in range(1, n1):
-        tried = parent[:, n - 1] == cur
-        pn = p_node[:, n - 1]
-        accept = tried & (u_accept[:, n - 1] * (1 - rejected) < pn)  # u < p(c) / (1 - rejected), strict
-        cur = torch.where(accept, n, cur)
-        rejected = torch.where(accept, 0.0, torch.where(tried, rejected + pn, rejected))
-    at_stop = p.gather(1, cur.view(b, 1, 1).expand(b, 1, v)).squeeze(1)  # [B, V]
-    kids = (parent == cur.unsqueeze(1)).to(p.dtype)  # [B, N]: all tried and rejected
-    removed = torch.zeros_like(at_stop).scatter_add(1, node_tokens, kids) > 0
-    residual = at_stop.masked_fill(removed, 0.0)
-    # rounding can leave nothing (the children held all the mass): then no child was rejected
-    # in exact arithmetic, and sampling p changes no probability
-    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, at_stop)
-    return cur, sample_from(residual, u_residual), p
-
-
-def tree_round_step(target, drafter, state, tree: TokenTree | DynamicTree, vocab: int, sample: Mode | bool, collect: bool = False):
+def tree_round_step(target, drafter, state, shape: RoundShape, vocab: int):
     """One token-tree round for every row (see the module docstring). With a
     :class:`~specfx.trees.types.DynamicTree` the drafter also chooses each row's tree
     (:meth:`~specfx.drafters.base.Drafter.propose_dynamic_tree`), and its tables replace the static
     ones for verification, the walk and compaction.
 
+    ``shape`` (:class:`~specfx.engine.plan.RoundShape`) holds the tree, the Mode and whether
+    to collect scores.
+
     Returns tokens ``[B, D+1]`` (emitted, PLACEHOLDER past ``n_emitted``) and n_emitted ``[B]``;
-    with ``collect`` also the processed scores and raw logits each emitted token was chosen
+    with ``shape.collect`` also the processed scores and raw logits each emitted token was chosen
     from, ``[B, D+1, V]`` each (the root's, then the accepted path's nodes').
     """
     s = state
-    mode = as_mode(sample)
-    sample = mode.sample
+    tree, sample = shape.tree, shape.mode.sample
     s.counter.add_(1)
-    ctx = RoundContext(s, tree.size, vocab, mode, tree=tree)
+    ctx = RoundContext(s, shape, vocab)
     n, d = tree.size, tree.depth
     b = s.tokens.shape[0]
     active = ~s.finished
@@ -121,13 +65,13 @@ def tree_round_step(target, drafter, state, tree: TokenTree | DynamicTree, vocab
 
     if isinstance(tree, DynamicTree):
         proposals, parents = drafter.propose_dynamic_tree(ctx)  # [B, N], [B, N+1]
-        ctx.tree = TreeTensors.from_parents(parents, d)
+        ctx.tree_tensors = TreeTensors.from_parents(parents, d)
     else:
         proposals = drafter.propose_tree(ctx)  # [B, N], or with per-row parents [B, N+1]
         if isinstance(proposals, tuple):
             proposals, parents = proposals
-            ctx.tree = TreeTensors.from_parents(parents, d)
-    tt = ctx.tree
+            ctx.tree_tensors = TreeTensors.from_parents(parents, d)
+    tt = ctx.tree_tensors
     pending = s.tokens.gather(1, lengths.unsqueeze(1))  # [B, 1]
     ids = torch.cat([pending, proposals], dim=1)  # [B, N+1]
     nodes = tuple(range(n + 1))
@@ -153,7 +97,7 @@ def tree_round_step(target, drafter, state, tree: TokenTree | DynamicTree, vocab
     stop, last, p = tree_accept(scores, ids, tt, sample, u_accept, u_residual)
     path = tt.path.expand(b, -1, -1).gather(1, stop.view(b, 1, 1).expand(b, 1, d + 1)).squeeze(1)  # [B, D+1]
     n_accepted = tt.depth.expand(b, -1).gather(1, stop.unsqueeze(1)).squeeze(1)  # [B]
-    out = _emit(ids.gather(1, path)[:, 1:], n_accepted, last)  # [B, D+1]
+    out = emit_tokens(ids.gather(1, path)[:, 1:], n_accepted, last)  # [B, D+1]
 
     out, n_emit, emitted, done = truncate(s, out, n_accepted, active)
     if sample:
@@ -172,8 +116,8 @@ def tree_round_step(target, drafter, state, tree: TokenTree | DynamicTree, vocab
     if features is not None:  # the accepted path's features, the node at depth i in column i (now at slot L + i)
         along = path.unsqueeze(-1)
         drafter.observe(ctx, tuple(f.gather(1, along.expand(-1, -1, f.shape[-1])) for f in features), at, at)
-    record(s, active, n, n_accepted, n_emit, d)
-    if collect:
+    record(s, active, n, n_accepted, n_emit, shape.max_accepted)
+    if shape.collect:
         take = path.unsqueeze(-1).expand(-1, -1, vocab)
         return out, n_emit, scores.gather(1, take), logits.float().gather(1, take)
     return out, n_emit

@@ -26,7 +26,7 @@ from specfx.request.values import (
     check_logits_to_keep,
 )
 from specfx.request.inputs import check_ids, check_mask, infer_attention_mask
-from specfx.sampling.core import SamplingParams
+from specfx.sampling.processors import SamplingParams
 from specfx.engine.step_replay import stopping_criteria
 
 __all__ = ["GenerateRequest", "resolve_generate_args"]

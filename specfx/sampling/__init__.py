@@ -1,2 +1,2 @@
-"""Logits processing, the counter-based random stream, and acceptance (greedy and rejection).
-"""
+"""Logits processing (processors), the counter-based random stream (rng), and acceptance:
+greedy, rejection and the token-tree walk (accept)."""

@@ -153,10 +153,10 @@ def level_inputs(ctx, queries: tuple[int, ...], tokens: torch.Tensor):
     receives them): node n's token, at position ``L + depth[n]`` in scratch slot ``L + n``."""
     lengths = ctx.lengths.unsqueeze(1)  # [B, 1]
     q = torch.tensor(queries, device=tokens.device)
-    return tokens[:, q], lengths + ctx.tree.depth[:, q], lengths + q
+    return tokens[:, q], lengths + ctx.tree_tensors.depth[:, q], lengths + q
 
 
 def tree_view(ctx, queries: tuple[int, ...]) -> TreeView:
     """The mask description of a forward over the nodes ``queries`` of this round's tree."""
-    t = ctx.tree
+    t = ctx.tree_tensors
     return TreeView(ctx.lengths, t.depth, t.ancestors, queries)

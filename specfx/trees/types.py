@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MAX_TREE_NODES", "DynamicTree", "TokenTree", "TreeTensors", "resolve_tree"]
+__all__ = ["MAX_TREE_NODES", "DynamicTree", "TokenTree", "TreeTensors"]
 
 # Nodes one round verifies at most: the target's forward grows by one column per node, and the
 # acceptance walk is unrolled over nodes. EAGLE's and Medusa's default trees have 60-63.
@@ -306,14 +306,3 @@ class TreeTensors:
     @property
     def size(self) -> int:
         return self.parent.shape[1] - 1
-
-
-def resolve_tree(tree, num_speculative_tokens) -> TokenTree | None:
-    """``speculate()``'s ``tree=`` as a TokenTree, or None for a chain of
-    ``num_speculative_tokens`` (a tree that is a chain also becomes None: the chain round)."""
-    if tree is None:
-        return None
-    if isinstance(tree, DynamicTree):
-        return tree
-    t = tree if isinstance(tree, TokenTree) else TokenTree(tree)
-    return None if t.is_chain else t

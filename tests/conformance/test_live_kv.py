@@ -23,7 +23,7 @@ import torch
 import specfx
 from specfx.model.architectures import supported
 from specfx.testing.tiny import tiny_causal_lm
-from specfx.sampling.core import Mode
+from specfx.sampling.processors import Mode
 from specfx.trees.types import TokenTree
 
 from tests.conftest import left_padded, prompt, tiered
@@ -65,7 +65,7 @@ def _check(spec, target, ids, mask, new, **extra):
 
 def _assert_cut(spec):
     live = [e.key[-1] for e in spec.compile_events]
-    assert live and all(n < spec._shape[1] for n in live), (live, spec._shape)
+    assert live and all(n < spec.state_slots.shape[1] for n in live), (live, spec.state_slots.shape)
     sites = [dict(g.report.sites).get("live_kv", 0) for g in spec.graphs]
     assert sites and all(n > 0 for n in sites), f"live_kv sites per graph: {sites}"
 
@@ -98,9 +98,9 @@ def test_live_bound_only_grows_and_evicts_outgrown_graphs(one_thread):
     greedy = Mode(False, penalty=False)  # HF's defaults: greedy, no penalty, no sorts
     assert [e.key for e in spec.compile_events] == [("round", 1, 256, 3, greedy, False, 64)]
     _check(spec, target, prompt(12, seed=4), None, 80)  # 12 + 80 + 5 = 97 -> 112 (quarter octaves above 64)
-    assert spec.compile_events[-1].key[-1] == 112 and list(spec._variants) == [("round", 1, 256, 3, greedy, False, 112)]
+    assert spec.compile_events[-1].key[-1] == 112 and spec.graph_cache.keys() == [("round", 1, 256, 3, greedy, False, 112)]
     _check(spec, target, prompt(6, seed=5), None, 10)
-    assert len(spec.compile_events) == 2 and list(spec._variants)[0][-1] == 112
+    assert len(spec.compile_events) == 2 and spec.graph_cache.keys()[0][-1] == 112
     _assert_cut(spec)
 
 

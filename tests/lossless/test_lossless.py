@@ -28,7 +28,7 @@ import specfx
 from specfx.engine import tree_round
 from specfx.drafters.base import Drafter, TreeDrafting
 from specfx.testing.tiny import perturbed_copy, tiny_causal_lm
-from specfx.sampling.core import sample_from
+from specfx.sampling.rng import sample_from
 from tests.conftest import tiered
 
 V = 6

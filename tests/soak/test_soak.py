@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import specfx
-from specfx.sampling.core import Mode
+from specfx.sampling.processors import Mode
 from specfx.testing.soak import CLASSES, MODES, REPLAYS, growing_request, soak_request
 from specfx.testing.tiny import perturbed_copy, tiny_causal_lm
 
@@ -68,7 +68,7 @@ def test_long_lived_generator_serves_a_mixed_workload(soak):
     # sampling with a penalty
     modes = {Mode(False, penalty=False), Mode(False, penalty=True), Mode(True, penalty=False), Mode(True, penalty=True)}
     assert {e.key for e in spec.compile_events} == {("round", b, 512, 3, m, False, 320) for b in (1, 2, 4) for m in modes}
-    assert len(spec._variants) <= spec.max_graphs == 16  # max_graphs=None: 16 per K (one K here)
+    assert len(spec.graph_cache) <= spec.max_graphs == 16  # max_graphs=None: 16 per K (one K here)
 
     rss = []
     with torch._dynamo.config.patch(error_on_recompile=True):
@@ -91,12 +91,12 @@ def test_lru_policy_evicts_beyond_max_graphs(one_thread):
     for batch in (1, 2, 4, 1):
         ids = torch.randint(3, 128, (batch, 5), generator=torch.Generator().manual_seed(batch))
         assert torch.equal(spec.generate(ids, max_new_tokens=6), target.generate(ids, max_new_tokens=6))
-        codes.setdefault(batch, spec._codes[("round", batch, 256, 2, GREEDY, False, 64)])
-    assert list(spec._variants) == [("round", 4, 256, 2, GREEDY, False, 64), ("round", 1, 256, 2, GREEDY, False, 64)]
+        codes.setdefault(batch, spec.graph_cache.code(("round", batch, 256, 2, GREEDY, False, 64)))
+    assert spec.graph_cache.keys() == [("round", 4, 256, 2, GREEDY, False, 64), ("round", 1, 256, 2, GREEDY, False, 64)]
     assert [e.key[1] for e in spec.compile_events] == [1, 2, 4, 1]  # batch 1 was evicted, then compiled again
     # what Dynamo compiled for an evicted variant is freed, not merely forgotten
     assert _debug_get_cache_entry_list(codes[2]) == [] and _debug_get_cache_entry_list(codes[1]) == []
-    assert len(_debug_get_cache_entry_list(spec._codes[("round", 1, 256, 2, GREEDY, False, 64)])) == 1
+    assert len(_debug_get_cache_entry_list(spec.graph_cache.code(("round", 1, 256, 2, GREEDY, False, 64)))) == 1
 
 
 def test_each_compile_is_recorded_once_with_several_rounds_per_sync(one_thread):

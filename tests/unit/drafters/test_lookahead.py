@@ -75,7 +75,7 @@ def test_candidate_trie_shares_prefixes():
     # the path to guess 1's last token runs through guess 0's first two nodes
     assert tt.path[0, 10].tolist() == [0, 1, 5, 10]
     # a greedy walk where the target continues 1 5 6: the longest guess, guess 2, is accepted
-    from specfx.engine.tree_round import tree_accept
+    from specfx.sampling.accept import tree_accept
 
     want = {0: 1, 1: 5, 7: 6, 11: 0}  # argmax at the root, at node 1, at node 7, at node 11
     scores = torch.full((1, 13, 10), -1.0)

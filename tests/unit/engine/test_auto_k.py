@@ -204,12 +204,12 @@ def test_one_graph_per_k_and_no_recompiles(one_thread):
         ids = _repeating_prompt(seed, length=10, span=10)
         assert torch.equal(spec.generate(ids, max_new_tokens=new), target.generate(ids, max_new_tokens=new))
         used |= set(spec.auto_k.history)
-        chosen.setdefault(spec._live[1], set()).update(spec.auto_k.history)
+        chosen.setdefault(spec.live_kv_bound, set()).update(spec.auto_k.history)
         counts.append(len(spec.graphs))
         # The first call timed every K. Later calls choose from those times: fixed here, so that
         # which Ks they choose (and so compile at a raised bound) does not depend on the load.
-        for key in spec._round_times:
-            spec._round_times[key] = {0: 1.0e-3, 1: 1.3e-3, 4: 2.0e-3}
+        for key in spec.round_timer.times_by_shape:
+            spec.round_timer.times_by_shape[key] = {0: 1.0e-3, 1: 1.3e-3, 4: 2.0e-3}
         # nothing but round graphs (prefill runs eagerly), one per (K, live bound)
         keys = [e.key for e in spec.compile_events]
         assert len(spec.graphs) == len(keys) == len(set(keys)) and {k[0] for k in keys} == {"round"}
@@ -217,7 +217,7 @@ def test_one_graph_per_k_and_no_recompiles(one_thread):
         assert {k[3] for k in keys if k[-1] == bounds[0]} == {0, 1, 4}  # all timed at the first call
         for bound in bounds[1:]:  # a raised bound compiles the Ks its calls chose, not all three
             assert {k[3] for k in keys if k[-1] == bound} == chosen[bound]
-    assert len(bounds) == 2 and len(spec._round_times) == 1  # one timing for both bounds
+    assert len(bounds) == 2 and len(spec.round_timer.times_by_shape) == 1  # one timing for both bounds
     assert used <= {0, 1, 4} and spec.auto_k.times.keys() == {0, 1, 4}
     assert counts[-1] == counts[-2] == counts[-3]  # warm: nothing compiled any more
 

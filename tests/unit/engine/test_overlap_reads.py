@@ -64,7 +64,7 @@ def test_nan_is_still_raised(max_new_tokens):
 def test_default_is_on_for_cuda_only(models):
     target, draft = models
     spec = specfx.speculate(target, draft=draft, compile=False)
-    assert spec.spec_config.overlap_reads is None and not spec._overlap_reads(None, False)
-    assert not specfx.speculate(target, draft=draft, compile=False, overlap_reads=True)._overlap_reads(object(), False)
+    assert spec.spec_config.overlap_reads is None and not spec.reads_overlapped(None, False)
+    assert not specfx.speculate(target, draft=draft, compile=False, overlap_reads=True).reads_overlapped(object(), False)
     with pytest.raises(ValueError, match="overlap_reads must be None, True or False"):
         specfx.SpecConfig(overlap_reads=1)

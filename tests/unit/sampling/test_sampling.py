@@ -11,17 +11,9 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from specfx.sampling.core import (
-    PLACEHOLDER,
-    Mode,
-    SamplingParams,
-    as_mode,
-    greedy_verify,
-    process_logits,
-    rejection_verify,
-    sample_from,
-    uniform,
-)
+from specfx.sampling.accept import greedy_verify, rejection_verify
+from specfx.sampling.processors import PLACEHOLDER, Mode, SamplingParams, as_mode, process_logits
+from specfx.sampling.rng import sample_from, uniform
 
 
 def onehot(idx, v):

@@ -12,9 +12,8 @@ import torch
 
 import specfx
 from specfx.drafters.base import Drafter, DynamicTreeDrafting
-from specfx.trees.types import DynamicTree, TokenTree, TreeTensors
 from specfx.trees.drafting import draft_dynamic_tree
-
+from specfx.trees.types import DynamicTree, TokenTree, TreeTensors
 from tests.conftest import left_padded, prompt
 from tests.lossless.test_lossless import CASES, _chisquare, _exact, _models
 

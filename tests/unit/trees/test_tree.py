@@ -14,12 +14,13 @@ import torch
 from scipy import stats
 
 import specfx
-from specfx.engine import tree_round
 from specfx.drafters.base import DraftModel
+from specfx.engine import tree_round
 from specfx.model.hf_names import output_cache
-from specfx.passes.checks.no_host_sync import offending_nodes
 from specfx.model.runner import ModelRunner
-from specfx.trees.types import MAX_TREE_NODES, TokenTree, TreeTensors, resolve_tree
+from specfx.passes.checks.no_host_sync import offending_nodes
+from specfx.sampling import accept
+from specfx.trees.types import MAX_TREE_NODES, TokenTree, TreeTensors
 from tests.conftest import left_padded, pair, prompt
 
 # nodes 1..6 = (0,) (1,) (0,0) (0,1) (1,0) (0,0,0): two children at the root and under (0,),
@@ -110,15 +111,12 @@ def test_nodes_are_sorted_and_indexed():
     assert repr(tree) == "TokenTree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])"
 
 
-def test_chains_and_resolve_tree():
+def test_chains():
     chain = TokenTree.chain(5)
     assert chain.nodes == tuple((0,) * d for d in range(1, 6)) and chain.is_chain
     assert (chain.size, chain.depth, repr(chain)) == (5, 5, "TokenTree.chain(5)")
     assert chain.parents == (0, 0, 1, 2, 3, 4)
     assert not TokenTree([(1,)]).is_chain  # the second guess alone is no chain
-    assert resolve_tree(None, 4) is None
-    assert resolve_tree([(0,), (0, 0)], 4) is None  # a chain runs as the chain round
-    assert resolve_tree([(0,), (1,)], 4) == TokenTree([(0,), (1,)])
 
 
 def _expected_score(tree_node, accuracies):
@@ -216,7 +214,7 @@ def _greedy_walk(argmax: dict[int, int], tokens=SIX_TOKENS, tree=SIX):
     scores = torch.zeros(1, tree.size + 1, V)  # [1, N+1, V]
     for node in range(tree.size + 1):
         scores[0, node, argmax.get(node, 0)] = 1.0
-    stop, last, probs = tree_round.tree_accept(scores, torch.tensor([tokens]), tree.tensors("cpu"), sample=False)
+    stop, last, probs = accept.tree_accept(scores, torch.tensor([tokens]), tree.tensors("cpu"), sample=False)
     assert probs is None
     return int(stop), int(last)
 
@@ -256,7 +254,7 @@ def test_greedy_rows_walk_independently():
         for node in range(SIX.size + 1):
             scores[row, node, argmax.get(node, 0)] = 1.0
     tokens = torch.tensor([SIX_TOKENS] * b)
-    stop, last, _ = tree_round.tree_accept(scores, tokens, SIX.tensors("cpu"), sample=False)
+    stop, last, _ = accept.tree_accept(scores, tokens, SIX.tensors("cpu"), sample=False)
     assert list(zip(stop.tolist(), last.tolist(), strict=True)) == [(s, t) for _, s, t in cases]
 
     # row 1 is a chain of 6 instead: its argmax 10 -> 11 -> 12 follows the chain's first three nodes
@@ -267,7 +265,7 @@ def test_greedy_rows_walk_independently():
         two[0, node, tok] = 1.0
     for node, tok in {0: 10, 1: 11, 2: 12, 3: 5}.items():
         two[1, node, tok] = 1.0
-    stop, last, _ = tree_round.tree_accept(two, tokens[:2], tables, sample=False)
+    stop, last, _ = accept.tree_accept(two, tokens[:2], tables, sample=False)
     assert stop.tolist() == [6, 3] and last.tolist() == [7, 5]
 
 
@@ -288,7 +286,7 @@ def _sample_walk(scores, tokens, u_first_children, u_residual=None):
     u_accept = torch.full((b, SIX.size), 0.5)
     u_accept[:, :2] = torch.tensor(u_first_children)
     u_residual = torch.rand(b, V) if u_residual is None else u_residual
-    return tree_round.tree_accept(scores, tokens, SIX.tensors("cpu"), True, u_accept, u_residual)
+    return accept.tree_accept(scores, tokens, SIX.tensors("cpu"), True, u_accept, u_residual)
 
 
 def test_sampling_renormalises_after_a_rejection():
@@ -354,7 +352,7 @@ def test_sampling_walk_emits_each_sequence_with_its_target_probability():
     tokens = torch.tensor([LAW_TOKENS]).expand(b, -1)
     u_accept = torch.rand(b, n1 - 1, generator=gen, dtype=torch.float64)
     u_residual = torch.rand(b, LAW_V, generator=gen, dtype=torch.float64).clamp_min(1e-300)
-    stop, last, _ = tree_round.tree_accept(logits.expand(b, -1, -1), tokens, tables, True, u_accept, u_residual)
+    stop, last, _ = accept.tree_accept(logits.expand(b, -1, -1), tokens, tables, True, u_accept, u_residual)
     depth = tables.depth[0, stop]
     path = tables.path[0, stop]  # [B, D+1]
     counts: dict[tuple, int] = {}

@@ -1,16 +1,14 @@
-"""Logits processing, the counter-based random stream and the rejection sampler.
-
-Everything here is graph-friendly tensor code: no host sync, no data-dependent Python
-branches, fixed output shapes. Vocabulary (DESIGN.md): a round verifies K *proposals*; the
-first ``n_accepted`` are *accepted*; then one *correction* (sampled from norm(max(0, p - q))
-at the first rejection) or *bonus* (sampled from p after all K were accepted) follows, so a
-row *emits* ``n_accepted + 1`` tokens.
+"""Logits processing, as transformers does it, batched over a round's positions.
 
 The processors reproduce transformers' ``RepetitionPenaltyLogitsProcessor``,
 ``MinLength``/``MinNewTokensLengthLogitsProcessor``, ``TemperatureLogitsWarper``,
 ``TopKLogitsWarper`` and ``TopPLogitsWarper`` in HF's order, batched over positions with the
 per-position context a speculative round needs (tokens drafted earlier in the round count as
-already generated).
+already generated). :class:`Mode` says which stages a round graph runs (a graph constant);
+:class:`SamplingParams` holds one call's values (device tensors: they never select a graph).
+
+Everything here is graph-friendly tensor code: no host sync, no data-dependent Python
+branches, fixed output shapes.
 """
 
 from __future__ import annotations
@@ -19,20 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = [
-    "PLACEHOLDER",
-    "Mode",
-    "SamplingParams",
-    "as_mode",
-    "process_logits",
-    "uniform",
-    "sample_from",
-    "greedy_verify",
-    "rejection_verify",
-]
+__all__ = ["GREEDY", "PLACEHOLDER", "Mode", "SamplingParams", "as_mode", "process_logits"]
 
 PLACEHOLDER = 0  # fills tokens[B, K+1] past n_emitted; a valid id so nothing indexes out of range
-_MASK32 = 0xFFFFFFFF
 
 
 @dataclass(frozen=True)
@@ -63,6 +50,9 @@ class Mode:
 def as_mode(mode: Mode | bool) -> Mode:
     """A :class:`Mode` from a mode or a bare ``sample`` flag (every stage on: the general graph)."""
     return Mode(mode) if isinstance(mode, bool) else mode
+
+
+GREEDY = Mode(False, penalty=False)  # argmax, no repetition penalty: the cheapest graph
 
 
 @dataclass(frozen=True)
@@ -147,101 +137,3 @@ def process_logits(
     remove = (cum <= (1 - top_p)) & (top_p < 1)
     remove[..., -1:] = False
     return scores.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash on int64 holding values in [0, 2**32); multipliers < 2**31 keep
-    every product inside int64, so it is exact on every backend."""
-    x = x ^ (x >> 16)
-    x = (x * 0x21F0AAAD) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x735A2D97) & _MASK32
-    return x ^ (x >> 15)
-
-
-def uniform(seed: torch.Tensor, counter: torch.Tensor, stream: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """Counter-based uniforms in (0, 1): a pure function of (seed, counter, stream, index).
-
-    Identical in eager and compiled mode and on every device, needs no generator object in
-    the graph, and a seed reproduces a whole generation.
-    """
-    numel = 1
-    for s in shape:
-        numel *= s
-    key = _mix32((seed & _MASK32) ^ _mix32((counter & _MASK32) ^ _mix32(torch.full_like(seed, stream))))
-    idx = torch.arange(numel, device=seed.device, dtype=torch.long).view(shape)
-    h = _mix32(_mix32(idx ^ key) ^ ((seed >> 32) & _MASK32))
-    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
-
-
-def sample_from(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Sample index ∝ ``weights`` (unnormalised, >= 0) along the last dim: the exponential race
-    argmax(w / E), E = -log(u) ~ Exp(1). Exact, and no host sync."""
-    return torch.argmax(weights / (-torch.log(u)), dim=-1)
-
-
-def _emit(proposals: torch.Tensor, n_accepted: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-    """tokens [B, K+1]: accepted proposals, then ``last`` (correction/bonus), then PLACEHOLDER."""
-    b, k = proposals.shape
-    idx = torch.arange(k + 1, device=proposals.device).unsqueeze(0)  # [1, K+1]
-    padded = torch.cat([proposals, proposals.new_full((b, 1), PLACEHOLDER)], dim=1)
-    n = n_accepted.unsqueeze(1)
-    out = torch.where(idx < n, padded, last.unsqueeze(1))
-    return torch.where(idx <= n, out, PLACEHOLDER)
-
-
-def greedy_verify(target_scores: torch.Tensor, proposals: torch.Tensor):
-    """Greedy acceptance: keep proposals while they equal argmax p, then emit argmax p.
-
-    Args:
-        target_scores: ``[B, K+1, V]`` processed target logits at the K+1 verified positions.
-        proposals: ``[B, K]`` drafted tokens.
-    Returns:
-        tokens ``[B, K+1]`` (PLACEHOLDER past the emitted ones), n_accepted ``[B]``.
-    """
-    best = target_scores.argmax(dim=-1)  # [B, K+1]
-    accept = proposals == best[:, :-1]
-    n_accepted = accept.long().cumprod(dim=1).sum(dim=1)
-    last = best.gather(1, n_accepted.unsqueeze(1)).squeeze(1)
-    return _emit(proposals, n_accepted, last), n_accepted
-
-
-def rejection_verify(
-    p: torch.Tensor,  # [B, K+1, V] target probabilities
-    q: torch.Tensor | None,  # [B, K, V] probabilities the drafter sampled each proposal from; None: one-hot
-    proposals: torch.Tensor,  # [B, K]
-    u_accept: torch.Tensor,  # [B, K] uniforms
-    u_resample: torch.Tensor,  # [B, V] uniforms
-):
-    """Lossless speculative sampling (Leviathan et al. / Chen et al.); ``q=None`` for a
-    deterministic drafter (prompt lookup), whose q is one-hot on its proposals.
-
-    Accept proposal x with probability min(1, p(x)/q(x)) via the strict test ``u·q(x) < p(x)``
-    (a token with p(x) = 0 is never accepted); at the first rejection sample the correction
-    from norm(max(0, p - q)) (p is not mutated); after K acceptances sample the bonus from p.
-    Only the one position a row emits from is resampled: the residual is built for that
-    ``[B, V]`` row alone, not for all K + 1.
-    Returns tokens ``[B, K+1]`` and n_accepted ``[B]``.
-    """
-    b, k, v = q.shape if q is not None else (*proposals.shape, p.shape[-1])
-    idx = proposals.unsqueeze(-1)
-    p_x = p[:, :k].gather(-1, idx).squeeze(-1)
-    q_x = 1.0 if q is None else q.gather(-1, idx).squeeze(-1)
-    accept = u_accept * q_x < p_x  # q one-hot: u * 1 < p(x)
-    n_accepted = accept.long().cumprod(dim=1).sum(dim=1)
-    row = n_accepted.view(b, 1, 1)
-    p_row = p.gather(1, row.expand(b, 1, v)).squeeze(1)  # [B, V]: p where the row emits
-    rejected = n_accepted < k  # else the bonus, sampled from p itself
-    at = row.clamp(max=max(k - 1, 0))
-    if q is None:
-        # max(0, p - one_hot(x)) is p with p(x) set to 0, bit for bit (no [B, K, V] one-hot)
-        x = proposals.gather(1, at.view(b, 1)) if k else proposals.new_zeros(b, 1)
-        corrected = p_row.scatter(-1, x, 0.0)
-    else:
-        corrected = (p_row - q.gather(1, at.expand(b, 1, v)).squeeze(1)).clamp_min(0)
-    residual = torch.where(rejected.unsqueeze(1), corrected, p_row)
-    # p == q up to rounding leaves nothing to resample from; that position is then never
-    # rejected in exact arithmetic, so falling back to p changes no probability.
-    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_row)
-    last = sample_from(residual, u_resample)  # [B]
-    return _emit(proposals, n_accepted, last), n_accepted

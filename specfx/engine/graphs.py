@@ -1,0 +1,178 @@
+"""The compiled graphs of one generator: an LRU of graph variants, the backend, the live-KV bound.
+
+A *variant* is one compiled graph: ``(kind, batch bucket, capacity, *what, live)`` where
+``kind`` is "round" or "prefill", ``what`` the round's ``RoundShape.graph_id`` (K or tree, Mode,
+collect) or the prefill's (prompt bucket, Mode, collect), and ``live`` the KV slots its
+attention reads (decision 45). Each variant gets its own code object (a private Dynamo cache, so
+no variant counts against another's recompile limit and each compiles exactly once) and lives
+in an LRU of ``max_graphs`` entries; evicting one releases what Dynamo compiled for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import types
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from specfx.model.dynamo import fresh_code, release_code
+from specfx.passes.backend import GraphRecords, make_backend
+from specfx.passes.rewrites.live_kv import LiveKV
+
+__all__ = ["LIVE_BACKENDS", "CompileEvent", "GraphCache", "quarter_octave"]
+
+logger = logging.getLogger(__name__)
+
+# backends that run specfx's pass pipeline, hence the live-KV cut (decision 45)
+LIVE_BACKENDS = ("specfx", "specfx_eager")
+
+
+@dataclass
+class CompileEvent:
+    """One graph variant compiled by a generator: its key and the wall time of its first call
+    (tracing, the passes, Inductor, plus one run)."""
+
+    key: tuple
+    seconds: float
+
+
+def quarter_octave(needed: int, smallest: int) -> int:
+    """``needed`` rounded up to ``smallest`` (a power of two), or above it to a multiple of a
+    quarter of the power of two below it: 64 -> 64, 65 -> 80, 129 -> 160, 257 -> 320."""
+    if needed <= smallest:
+        return smallest
+    step = max(1, (1 << (needed - 1).bit_length()) // 8)  # needed in (2^(n-1), 2^n]: quarter of 2^(n-1)
+    return -(-needed // step) * step
+
+
+def _release_all(codes: dict) -> None:
+    release_code(*codes.values())
+    codes.clear()
+
+
+class GraphCache:
+    """The compiled variants of one generator (an LRU of ``max_graphs``), the backend they are
+    compiled with, what they recorded (``records``: ``spec.graphs``), the compile events
+    (``spec.compile_events``) and the live-KV bound.
+
+    Accessors for tests and tools: :meth:`keys` (the variants kept, least recently used first)
+    and :meth:`code` (a variant's private code object, whose Dynamo cache holds its graph).
+    """
+
+    def __init__(self, backend, max_graphs: int, live_kv: bool | int, owner=None):
+        self.records = GraphRecords()
+        self.backend_name = backend if isinstance(backend, str) else None
+        self.backend = make_backend(backend, self.records) if isinstance(backend, str) else backend
+        self.max_graphs = max_graphs
+        self.live_kv = live_kv  # SpecConfig.live_kv: False, True (from 64) or the smallest bound
+        self.compile_events: list[CompileEvent] = []
+        self._variants: OrderedDict[tuple, Callable] = OrderedDict()  # key -> compiled fn (LRU)
+        self._codes: dict[tuple, types.CodeType] = {}  # key -> its private code object
+        self._live: tuple[int, int] | None = None  # (capacity, live-KV bound); None: no call yet
+        # Dynamo never frees a compiled code object's cache: release ours when the owner goes
+        weakref.finalize(self if owner is None else owner, _release_all, self._codes)
+
+    # ----------------------------------------------------------------- accessors
+    def keys(self) -> list[tuple]:
+        """The variants kept, least recently used first."""
+        return list(self._variants)
+
+    def __len__(self) -> int:
+        return len(self._variants)
+
+    def __iter__(self) -> Iterator[tuple]:
+        return iter(self._variants)
+
+    def code(self, key: tuple) -> types.CodeType:
+        """The private code object of variant ``key`` (its Dynamo cache holds the graph)."""
+        return self._codes[key]
+
+    # ----------------------------------------------------------------- the live-KV bound
+    def live_bound(self, needed: int, capacity: int) -> int:
+        """The KV slots a call's attention reads (issue 14, decision 45): ``needed`` (the
+        call's last position + 2: prompt width + max_new_tokens + the round's scratch slots + 2;
+        every slot from there on is masked) rounded up to ``SpecConfig.live_kv``'s smallest
+        bucket (64 by default), above it to a quarter-octave step (64, 80, 96, 112, 128, 160,
+        ..., 256, 320, ...: at most 25 % more slots than needed, at most four bounds per
+        doubling), and to the capacity at most (no cut); the capacity when ``live_kv=False``."""
+        if self.live_kv is False:
+            return capacity
+        return min(quarter_octave(needed, 64 if self.live_kv is True else self.live_kv), capacity)
+
+    def live_slots(self, capacity: int) -> int:
+        """The bound graphs of this capacity are compiled for (the capacity before any call)."""
+        if self._live is None or self._live[0] != capacity:
+            return capacity
+        return self._live[1]
+
+    def grow_live(self, capacity: int, bound: int) -> None:
+        """Make the live-KV bound at least ``bound``. Like the capacity, it only grows (decision
+        45): a warm generator serving a mixed workload keeps one graph per batch bucket and mode,
+        and the graphs of an outgrown bound are evicted at once."""
+        live = bound if self._live is None or self._live[0] != capacity else max(bound, self._live[1])
+        if self._live != (capacity, live):
+            self.drop_where(lambda key: key[-1] != live)
+            self._live = (capacity, live)
+
+    # ----------------------------------------------------------------- variants
+    def key(self, kind: str, rows: int, capacity: int, *what) -> tuple:
+        """The variant a compiled graph serves: ``(kind, batch bucket, capacity, *what, live)``."""
+        return (kind, rows, capacity, *what, self.live_slots(capacity))
+
+    def variant(self, key: tuple, impl: Callable, owner) -> Callable:
+        """The compiled callable of variant ``key``: ``impl`` (a function of ``owner`` and the
+        graph's arguments) compiled on first use, or the one kept (now most recently used)."""
+        fn = self._variants.get(key)
+        if fn is not None:
+            self._variants.move_to_end(key)
+            return fn
+        code = fresh_code(impl)
+        self._codes[key] = code.__code__
+        bound = types.MethodType(code, owner)
+        backend = self.backend
+        capacity, live = key[2], key[-1]
+        if live < capacity and self.backend_name in LIVE_BACKENDS:
+            backend = make_backend(self.backend_name, self.records, live=LiveKV(capacity, live))
+        compiled_fn = torch.compile(bound, backend=backend, fullgraph=True, dynamic=False)
+
+        def first_call(*args):
+            # the host loop may call this object several times (rounds_per_sync > 1)
+            if not first_call.uncompiled:
+                return compiled_fn(*args)
+            logger.info("specfx: compiling the %s graph for %s (first use of this variant)", key[0], key[1:])
+            start = time.monotonic()
+            try:
+                result = compiled_fn(*args)
+            except BaseException:
+                self.drop(key)  # a failed compile is retried next time, not kept
+                raise
+            first_call.uncompiled = False
+            self.compile_events.append(CompileEvent(key, time.monotonic() - start))
+            if key in self._variants:
+                self._variants[key] = compiled_fn
+            return result
+
+        first_call.uncompiled = True  # until its first call returns
+        self._variants[key] = first_call
+        while len(self._variants) > self.max_graphs:
+            evicted = next(iter(self._variants))
+            logger.info("specfx: evicting the compiled graph for %s (max_graphs=%d)", evicted, self.max_graphs)
+            self.drop(evicted)
+        return first_call
+
+    def drop(self, key: tuple) -> None:
+        """Forget a variant and free what Dynamo compiled for it."""
+        self._variants.pop(key, None)
+        code = self._codes.pop(key, None)
+        if code is not None:
+            release_code(code)
+
+    def drop_where(self, outgrown: Callable[[tuple], bool]) -> None:
+        """Drop every variant whose key ``outgrown`` says no call will use again."""
+        for key in [k for k in self._variants if outgrown(k)]:
+            self.drop(key)

@@ -25,9 +25,9 @@ from specfx.request.values import (
     as_token_ids,
     check_logits_to_keep,
 )
+from specfx.request.criteria import stopping_criteria
 from specfx.request.inputs import check_ids, check_mask, infer_attention_mask
 from specfx.sampling.processors import SamplingParams
-from specfx.engine.step_replay import stopping_criteria
 
 __all__ = ["GenerateRequest", "resolve_generate_args"]
 

@@ -29,14 +29,14 @@ from specfx.model.architectures import (
     REPRESENTATIVE,
     decodes_incrementally,
     installed,
-    supported,
 )
+from specfx.testing.architectures import supported_here
 from specfx.testing.tiny import perturbed_copy, tiny_causal_lm
 from specfx.trees.types import TokenTree
 
 from tests.conftest import left_padded, prompt, tiered
 
-SUPPORTED = supported()
+SUPPORTED = supported_here()
 _models = {}
 
 

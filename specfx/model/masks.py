@@ -68,6 +68,7 @@ class MaskPlan:
             masks[layer_type] = built[pattern]
         return masks
 
+
 def layer_pattern(config, layer_type: str, model_name: str) -> Pattern:
     """The mask pattern of ``config``'s layers of type ``layer_type`` (a ``config.layer_types``
     value): ``("full", None)``, ``("sliding", W)`` or ``("chunked", S)``, the size read from the

@@ -22,7 +22,6 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import specfx
-from specfx.model.masks import TreeView
 from specfx.model.architectures import (
     ARCHITECTURES,
     COMPILED_SUBSET,
@@ -30,10 +29,10 @@ from specfx.model.architectures import (
     decodes_incrementally,
     installed,
 )
+from specfx.model.masks import TreeView
 from specfx.testing.architectures import supported_here
 from specfx.testing.tiny import perturbed_copy, tiny_causal_lm
 from specfx.trees.types import TokenTree
-
 from tests.conftest import left_padded, prompt, tiered
 
 SUPPORTED = supported_here()

@@ -21,13 +21,12 @@ import pytest
 import torch
 
 import specfx
+from specfx.sampling.core import Mode
 from specfx.testing.architectures import supported_here
 from specfx.testing.tiny import tiny_causal_lm
-from specfx.sampling.core import Mode
 from specfx.trees.types import TokenTree
-
-from tests.conftest import left_padded, prompt, tiered
 from tests.conformance.test_conformance import _pair  # the conformance matrix's target/draft pairs, cached
+from tests.conftest import left_padded, prompt, tiered
 
 EAGER_ATTENTION = (
     "gemma2 bloom codegen flint gpt_neox_japanese gpt_oss gptj granite_swa granitemoe_swa mimo_v2_flash "

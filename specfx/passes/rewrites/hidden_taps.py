@@ -47,8 +47,8 @@ import operator
 import torch
 from torch import fx
 
-from specfx.passes.rewrites.early_exit import layer_map, normalize_module_path
 from specfx.passes.ops import node_value
+from specfx.passes.rewrites.early_exit import layer_map, normalize_module_path
 
 __all__ = ["HiddenTapsError", "check_tap_names", "hidden_taps", "tap_names"]
 

@@ -10,10 +10,9 @@ import specfx
 from specfx.model.cache import SlotCache
 from specfx.model.hf_names import cache_kwarg
 from specfx.model.masks import MaskPlan
-from specfx.testing.tiny import perturbed_copy, tiny_causal_lm
 from specfx.model.probe import REL_TOL, attention_spans, compare, probe_length
 from specfx.model.runner import ModelRunner
-
+from specfx.testing.tiny import perturbed_copy, tiny_causal_lm
 from tests.conftest import prompt
 
 REFUSED = r"does not decode incrementally like its full forward"

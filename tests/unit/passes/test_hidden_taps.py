@@ -12,14 +12,14 @@ import torch
 from torch import fx, nn
 
 import specfx
-from specfx.model.capture import capture_forward, decoder_layer_names
 from specfx.drafters.base import Drafter
+from specfx.drafters.prompt_lookup import PromptLookup
 from specfx.model.architectures import ARCHITECTURES
-from specfx.testing.tiny import tiny_causal_lm
+from specfx.model.capture import capture_forward, decoder_layer_names
+from specfx.model.runner import ModelRunner
 from specfx.passes import HiddenTapsError, PassError, hidden_taps
 from specfx.passes.rewrites.early_exit import layer_of
-from specfx.drafters.prompt_lookup import PromptLookup
-from specfx.model.runner import ModelRunner
+from specfx.testing.tiny import tiny_causal_lm
 from tests.conftest import ARCHS, left_padded, prompt
 
 TAPS = ("layer:0", "layer:1", "layer:2", "last", "final")

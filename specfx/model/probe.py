@@ -1,4 +1,5 @@
-"""The incremental-decoding probe: a model is speculated only if specfx's path reproduces it.
+"""The incremental-decoding probe's measurements: a model is speculated only if specfx's path
+reproduces it (:mod:`specfx.model.admission` runs them and words the refusals).
 
 specfx drives a model through hooks (a :class:`~specfx.model.cache.SlotCache` as
 its cache argument, an explicit mask, ``position_ids``). A model that ignores one of them

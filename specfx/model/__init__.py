@@ -9,5 +9,5 @@
   :mod:`~specfx.model.hf_names`, :mod:`~specfx.model.dynamo`, :mod:`~specfx.model.load`;
 - :mod:`~specfx.model.architectures`: the architecture table (data and pure queries).
 
-runner -> admission -> probe -> architectures; runner -> taps -> capture; none imports the runner.
+runner -> admission -> architectures -> probe; runner -> taps -> capture; none imports the runner.
 """

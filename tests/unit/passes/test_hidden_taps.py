@@ -223,7 +223,7 @@ def test_pass_errors_name_the_pass_in_the_runner(monkeypatch, one_thread):
     """A model whose graph the pass cannot read is refused at capture with a ValueError naming
     the pass (the PassError is its cause)."""
     runner = _runner()
-    monkeypatch.setattr("specfx.model.runner.decoder_layer_names", lambda model: ["nowhere.0", "nowhere.1", "nowhere.2"])
+    monkeypatch.setattr("specfx.model.taps.decoder_layer_names", lambda model: ["nowhere.0", "nowhere.1", "nowhere.2"])
     zeros = torch.zeros((2, 1), dtype=torch.long)
     with pytest.raises(
         ValueError, match=r"cannot be tapped: specfx pass 'hidden_taps' failed.*no graph node was traced inside decoder"

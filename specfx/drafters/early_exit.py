@@ -36,13 +36,13 @@ which is the draft's for layers < N: the drafter has nothing to move itself.
 from __future__ import annotations
 
 import torch
-from torch import fx
 
 from specfx.model.capture import CapturedForward, CaptureError, capture_forward, decoder_blocks, decoder_layer_names
 from specfx.drafters.base import Drafter, TreeDrafting, draft_chain
 from specfx.model.masks import TreeView
+from specfx.passes.pipeline import capture_transform
 from specfx.passes.rewrites.early_exit import EarlyExitError, early_exit
-from specfx.model.admission import PROBE_MIN_CAPACITY
+from specfx.model.probe import PROBE_MIN_CAPACITY
 from specfx.model.runner import ModelRunner
 from specfx.trees.types import TokenTree
 from specfx.trees.drafting import draft_levels, draft_tree, level_inputs, tree_view
@@ -92,9 +92,9 @@ def capture_early_exit(
         tensors = tree.tensors(runner.device)
         view = TreeView(None, tensors.depth, tensors.ancestors, tuple(queries))  # lengths: the capture's own
     layer_names = decoder_blocks(runner.model)
-
-    def cut(gm: fx.GraphModule) -> int:
-        return early_exit(gm, layer_names=layer_names, exit_layer=exit_layer)
+    cut = capture_transform(  # through the pipeline's one entry; its own error is refused by the caller
+        "early_exit", early_exit, raises=(EarlyExitError,), layer_names=layer_names, exit_layer=exit_layer
+    )
 
     try:
         return capture_forward(runner, batch_size, tokens, tree=view, transform=cut, result=ExitGraph)

@@ -1,220 +1,238 @@
-"""The incremental-decoding probe: a model is speculated only if specfx's path reproduces it.
+"""Admission: whether specfx can run a model exactly, decided at ``speculate()`` (and again when
+its buffers grow), with the refusal a user reads when it cannot.
 
-specfx drives a model through hooks (a :class:`~specfx.model.cache.SlotCache` as
-its cache argument, an explicit mask, ``position_ids``). A model that ignores one of them
-(bidirectional heads, positions taken from the cache length, a local-attention window built
-from the cache's key length as GPT-Neo does) would silently generate other tokens. So before a
-model is used, and again whenever its buffers grow past every capacity checked so far, the
-probe compares the model's own full forward (no cache) with specfx's incremental path, run
-the way the generator runs it:
+Checked on the model object alone (:func:`check_causal_lm`, :func:`check_weights_loaded`): an HF
+decoder-only causal LM with an LM head and a KV cache argument, no recurrent state, no row of the
+architecture table marked ``unsupported``, its weights loaded.
 
-* at the real buffer capacity (the generator's ``min_capacity`` times a power of two);
-* over a sequence that crosses every attention span the config declares (sliding windows,
-  attention chunks, GPT-Neo's ``window_size``...), the small chunks straddling the largest;
-* as a batch of two rows, the second left-padded (padding at position 0 and the trash slot);
-* a prefill chunk, then verify-like chunks of 1..5 tokens whose rejected proposals leave
-  stale keys in later slots that the next chunk overwrites (:data:`TAIL`).
-
-The comparison is strict (:func:`compare`): every logit within a dtype-aware tolerance and
-the same argmax at every position (up to near-ties within that tolerance).
+Checked by running it (:func:`check_incremental`, :func:`tree_refusal`): the model's own full
+forward against specfx's incremental path through the runner (the measurements are
+:mod:`specfx.model.probe`). A model that fails with the 4-D mask protocol but takes a plain causal
+mask is retried with the row-wise 2-D protocol (Bloom's ALiBi); the runner keeps what was found:
+``runner.protocol``, ``runner.probed_capacity`` (the largest capacity vouched for) and
+``runner.tree_failure`` (the tree probe's finding). Only the runner's public surface is used
+(``forward``, ``scratch_cache``, ``model``, ``role``, ``dtype``, ``device``...), so this module
+imports no runner: the dependency runs one way, runner -> admission.
 """
 
 from __future__ import annotations
 
-import inspect
-import re
-
 import torch
+from transformers import PreTrainedModel
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-__all__ = [
-    "PROBE_MIN_CAPACITY",
-    "REL_TOL",
-    "TAIL",
-    "attention_spans",
-    "compare",
-    "full_logits",
-    "incremental_logits",
-    "not_causal",
-    "probe_capacity",
-    "probe_length",
-    "probe_tokens",
-    "tree_logits",
-]
+from specfx.model.architectures import ARCHITECTURES
+from specfx.model.hf_names import cache_kwarg
+from specfx.model.probe import (
+    compare,
+    compare_rows,
+    full_logits,
+    incremental_logits,
+    not_causal,
+    probe_capacity,
+    probe_tokens,
+    tree_logits,
+)
 
-# The generator's first capacity (SpecConfig.min_capacity's default); buffers grow by doubling,
-# so probing at this times a power of two probes a capacity the generator really allocates.
-PROBE_MIN_CAPACITY = 256
+__all__ = ["check_causal_lm", "check_incremental", "check_weights_loaded", "taps_refusal", "tree_refusal"]
 
-# Verify-like chunks after the prefill: (tokens written, tokens accepted). The rest of each
-# chunk is a rejected proposal: garbage keys the mask must hide until the next chunk
-# overwrites them, as after a partly rejected round. 12 accepted tokens in all.
-TAIL = ((1, 1), (4, 2), (3, 3), (5, 1), (2, 2), (3, 3))
-TAIL_TOKENS = sum(a for _, a in TAIL)
-MIN_PROBE_TOKENS = 40  # crosses the tiny configs' windows of 8 several times
-PAD = 3  # left padding of the probe's second row
-
-# Tolerance on |logit difference|, relative to the largest |logit| of the reference.
-# float32: a correct incremental path differs from the full forward only by summation order
-# (chunked attention, other matmul shapes): ~1e-6 relative on the tiny models, ~1e-5 on
-# deep ones; 1e-4 leaves a margin, while a wrong window, mask or position moves logits by a
-# sizeable fraction of their scale. Half precision rounds every activation to the dtype, so
-# two correct paths differ by a few ulps of the largest logit: 8 ulps (8 * eps).
-REL_TOL = {
-    torch.float64: 1e-7,
-    torch.float32: 1e-4,
-    torch.bfloat16: 8 * torch.finfo(torch.bfloat16).eps,  # 0.0625
-    torch.float16: 8 * torch.finfo(torch.float16).eps,  # 0.0078
-}
-
-# Config attributes that declare an attention span (sliding_window, window_size,
-# attention_chunk_size, local_attention_window_len, sliding_window_size...).
-_SPAN_NAME = re.compile(r"(window|window_size|window_len|window_length|chunk_size|chunk_length)$")
+_CAUSAL_LM_CLASSES = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
 
 
-def attention_spans(config, mask_plan) -> list[int]:
-    """Every window or chunk size the model may apply: the mask plan's (what specfx builds)
-    and any positive int config attribute named like one (what the model may build itself)."""
-    spans = set()
-    for pattern in [mask_plan.single] if mask_plan.by_type is None else list(mask_plan.by_type.values()):
-        if pattern[1] is not None:
-            spans.add(pattern[1])
-    for name, value in config.to_dict().items():
-        if _SPAN_NAME.search(name) and isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            spans.add(value)
-    return sorted(spans)
+def check_causal_lm(model, role: str) -> None:
+    """Raise a clear error unless ``model`` is an HF decoder-only causal LM with a KV cache."""
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(
+            f"{role} must be a transformers PreTrainedModel with a causal LM head "
+            f"(e.g. AutoModelForCausalLM.from_pretrained(path)), got {type(model).__name__}."
+        )
+    config = model.config
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"{role} ({type(model).__name__}) is an encoder-decoder model; specfx speculates decoder-only causal LMs."
+        )
+    name = type(model).__name__
+    if name not in _CAUSAL_LM_CLASSES or model.get_output_embeddings() is None:
+        raise ValueError(
+            f"{role} ({name}) is not a causal LM with an LM head. Load it with "
+            f"AutoModelForCausalLM, not AutoModel or a classification head."
+        )
+    declared = ARCHITECTURES.get(getattr(config, "model_type", None))
+    if declared is not None and declared.status == "unsupported":
+        raise ValueError(f"{role} ({name}) is not supported by specfx: {declared.reason}.")
+    if getattr(model, "_is_stateful", False):
+        raise ValueError(
+            f"{role} ({name}) keeps recurrent or linear-attention state (Mamba/RWKV/hybrid-style "
+            f"layers). Speculation needs to discard rejected tokens per row, which such state "
+            f"cannot undo, so specfx cannot speculate this model."
+        )
+    if cache_kwarg(model.forward) is None:
+        raise ValueError(
+            f"{role} ({name}) does not take a KV cache (its forward has neither a cache nor a "
+            f"past_key_values argument), so its decoding cannot be driven incrementally; specfx "
+            f"cannot speculate it."
+        )
 
 
-def probe_length(config, mask_plan, max_positions: int | None) -> int:
-    """Tokens in the probe: past the largest span by 8, so the verify-like tail (the last
-    :data:`TAIL_TOKENS`) straddles it; at least :data:`MIN_PROBE_TOKENS`; within the model's
-    positions (a span no position can cross needs no crossing)."""
-    spans = attention_spans(config, mask_plan)
-    length = max([MIN_PROBE_TOKENS] + [s + 8 for s in spans])
-    if max_positions is not None:
-        length = min(length, max_positions)
-    return max(length, TAIL_TOKENS + PAD + 1)
+def check_weights_loaded(model, role: str) -> None:
+    """Raise unless every weight of ``model`` is materialised (none on the meta device)."""
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError(
+            f"{role} ({type(model).__name__}) has weights on the meta device (built without "
+            f"loading them): load it with from_pretrained(path), or materialise it with "
+            f".to_empty(device=...) and load its weights, before speculate()."
+        )
 
 
-def probe_capacity(length: int) -> int:
-    """The smallest capacity the generator allocates (256 times a power of two) that holds
-    ``length`` tokens plus the trash slot."""
-    cap = PROBE_MIN_CAPACITY
-    while cap < length + 1:
-        cap *= 2
-    return cap
+def check_incremental(runner, capacity: int) -> None:
+    """Refuse a model whose incremental decoding through specfx's hooks differs from its
+    own full forward (see :mod:`specfx.model.probe`): one that attends to later tokens (BERT-style
+    heads without ``is_decoder=True``), derives positions from the cache length instead of
+    ``position_ids``, builds attention windows from the cache's length, or otherwise ignores
+    the cache, mask or positions it is given. One full forward and one incremental pass at
+    ``capacity`` slots; skipped in training mode, where dropout would blur the comparison
+    (the runner's first ``allocate`` in eval mode probes then). On success sets
+    ``runner.probed_capacity`` (and ``runner.protocol`` when the row-wise fallback is the one
+    that passed)."""
+    model = runner.model
+    if model.training:
+        return
+    capacity = max(capacity, probe_capacity(runner.probe_length))
+    seq = probe_tokens(runner.probe_length, runner.vocab_size, runner.device)
+    with torch.no_grad():
+        full = full_logits(model, seq)
+    if not bool(full.isfinite().all()):
+        raise ValueError(
+            f"{runner.role} ({type(model).__name__}) produces NaN or inf logits in its own forward "
+            f"(on specfx's check sequence of {seq.numel()} tokens), so specfx cannot check that it "
+            f"runs it exactly. Check the weights and dtype (float16 overflow is a common cause)."
+        )
+    failure = _probe(runner, seq, full, capacity)
+    if failure is not None and runner.probed_capacity == 0 and runner.mask_plan.single == ("full", None):
+        runner.protocol = "rowwise_2d"  # e.g. ALiBi from a 2-D mask (Bloom)
+        if _probe(runner, seq, full, capacity) is None:
+            failure = None
+        else:
+            runner.protocol = "mask_4d"
+    if failure is None:
+        runner.probed_capacity = capacity
+        return
+    cause = failure if isinstance(failure, Exception) else None
+    if cause is None:
+        try:  # only to name the cause: a forward that attends to later tokens
+            with torch.no_grad():
+                later = not_causal(model, seq, full, runner.dtype)
+        except Exception:  # the refusal below stands either way
+            later = None
+        if later is not None:
+            raise ValueError(_not_causal_refusal(runner, failure, later, capacity))
+    raise ValueError(_refusal(runner, failure, capacity)) from cause
 
 
-def probe_tokens(length: int, vocab: int, device) -> torch.Tensor:
-    """A fixed pseudo-random sequence ``[length]`` (ids 3.. avoid pad/bos/eos)."""
-    g = torch.Generator().manual_seed(1234)
-    return torch.randint(min(3, vocab - 1), vocab, (length,), generator=g).to(device)
+def _probe(runner, seq: torch.Tensor, full: torch.Tensor, capacity: int):
+    """None if specfx's incremental path at ``capacity`` slots reproduces ``full`` (the
+    model's logits ``[L, V]`` for ``seq [L]``); else the exception raised or what differs.
+    The runner's own buffers are left as they were."""
+    try:
+        with torch.no_grad(), runner.scratch_cache(2, capacity):
+            got = incremental_logits(runner, seq)
+    except Exception as e:  # reported by the caller, which names the model
+        return e
+    return compare(got, full, runner.dtype)
 
 
-def full_logits(model, seq: torch.Tensor) -> torch.Tensor:
-    """The model's own forward, no cache: ``seq [L]`` -> float logits ``[L, V]``."""
-    pos = torch.arange(seq.numel(), device=seq.device).unsqueeze(0)
-    kwargs = {"position_ids": pos} if "position_ids" in inspect.signature(model.forward).parameters else {}
-    return model(input_ids=seq.unsqueeze(0), use_cache=False, **kwargs).logits[0].float()
+def _when(runner, capacity: int) -> str:
+    return f"when its KV buffers grew to {capacity} slots" if runner.probed_capacity else f"at {capacity} slots"
 
 
-def not_causal(model, seq: torch.Tensor, full: torch.Tensor, dtype: torch.dtype) -> str | None:
-    """What differs when ``model``'s full forward sees only the first half of ``seq [L]`` instead
-    of all of it (``full``: :func:`full_logits` of ``seq``), or None: a causal forward gives the
-    same logits for a prefix either way. Asked after the probe failed, to name the cause: a
-    forward that attends to later tokens cannot be reproduced by any incremental decoding."""
-    n = seq.numel() // 2
-    found = compare_rows(full_logits(model, seq[:n]), full[:n], dtype)
-    return None if found is None else f"its logits for the first {n} tokens change when later tokens follow: {found}"
+def _not_causal_refusal(runner, failure: str, later: str, capacity: int) -> str:
+    who = f"{runner.role} ({type(runner.model).__name__})"
+    config = runner.model.config.get_text_config()
+    if getattr(config, "is_decoder", None) is True:
+        import transformers
 
-
-def incremental_logits(runner, seq: torch.Tensor) -> torch.Tensor:
-    """specfx's path through ``runner`` (its cache already allocated for 2 rows): row 0 decodes
-    ``seq [L]``, row 1 its first ``L - PAD`` tokens left-padded by PAD. Returns the float logits
-    of every committed position, row 0's then row 1's: ``[2L - PAD, V]``."""
-    length, vocab, trash = seq.numel(), runner.vocab_size, runner.cache.trash_slot
-    offset = torch.tensor([[0], [PAD]], device=seq.device)  # [2, 1] left padding per row
-    prefill = length - TAIL_TOKENS
-    pos = torch.arange(prefill, device=seq.device) - offset  # [2, P], negative on padding
-    real = pos >= 0
-    ids = torch.where(real, seq[pos.clamp_min(0)], 0)
-    out = runner.forward(ids, pos.clamp_min(0), torch.where(real, pos, trash))
-    rows = [[out[0]], [out[1, PAD:]]]
-    start = prefill
-    for size, accepted in TAIL:
-        col = torch.arange(size, device=seq.device)
-        pos = start + col - offset  # [2, size]
-        ids = torch.where(col < accepted, seq[pos], (seq[pos] + 1) % vocab)  # rejected: other tokens
-        out = runner.forward(ids, pos, pos)
-        for r in range(2):
-            rows[r].append(out[r, :accepted])
-        start += accepted
-    return torch.cat([torch.cat(r) for r in rows]).float()
-
-
-# The tree probe's nodes after the pending token (seq[P]): a decoy first child, then the true
-# token as the second child (slot L + 2 at position L + 1) with the true next token under it
-# (slot L + 3 at position L + 2). Verified columns: the root, node 2 and node 3.
-TREE_PROBE = ((0,), (1,), (1, 0))
-TREE_PROBE_CHECKED = (0, 2, 3)
-
-
-def tree_logits(runner, seq: torch.Tensor) -> torch.Tensor:
-    """specfx's token-tree verification through ``runner`` (its cache allocated for 1 row):
-    prefill ``seq[:P]`` (P = L - 3), then one tree forward over the pending token ``seq[P]``
-    and :data:`TREE_PROBE`, where slots and positions differ. Returns the float logits ``[3,
-    V]`` of the root and the two true nodes, which must equal the full forward's at positions
-    P, P + 1, P + 2: a model that derives positions or biases from slot indices (MPT's ALiBi)
-    fails here though it decodes chains exactly."""
-    from specfx.model.masks import TreeView
-    from specfx.trees.types import TokenTree
-
-    length, vocab = seq.numel(), runner.vocab_size
-    p = length - 3
-    pos = torch.arange(p, device=seq.device).unsqueeze(0)
-    runner.forward(seq[:p].unsqueeze(0), pos, pos)
-    tree = TokenTree(TREE_PROBE).tensors(seq.device)
-    ids = torch.stack([seq[p], (seq[p + 1] + 1) % vocab, seq[p + 1], seq[p + 2]]).unsqueeze(0)  # [1, 4]
-    positions = p + tree.depth  # [1, 4]
-    slots = p + torch.arange(4, device=seq.device).unsqueeze(0)
-    view = TreeView(torch.tensor([p], device=seq.device), tree.depth, tree.ancestors, (0, 1, 2, 3))
-    out = runner.forward(ids, positions, slots, tree=view)
-    return out[0, list(TREE_PROBE_CHECKED)].float()
-
-
-def _mismatch(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype):
-    """None if ``got [N, V]`` reproduces ``ref [N, V]``: every logit within ``REL_TOL[dtype] *
-    max|ref|`` and, at every position, got's argmax a top token of the reference (within the
-    same tolerance: near-ties may flip). Else ``(worst position, what differs in words)``."""
-    tol = REL_TOL.get(dtype, 8 * torch.finfo(dtype).eps) * float(ref.abs().amax().clamp_min(1.0))
-    diff = (got - ref).abs().amax(dim=-1)  # [N]
-    bad = ~(diff <= tol)  # NaN counts as bad
-    chosen = ref.gather(-1, got.argmax(dim=-1, keepdim=True)).squeeze(-1)
-    flipped = ~(chosen >= ref.amax(dim=-1) - tol)
-    if not (bad.any() or flipped.any()):
-        return None
-    worst = int(torch.nan_to_num(diff, nan=float("inf")).argmax())
-    return worst, (
-        f"max |logit difference| {float(diff[worst]):.3g} at {{where}} (tolerance {tol:.3g} for {dtype}); "
-        f"{int(bad.sum())} of {diff.numel()} positions over it, argmax different at {int(flipped.sum())}"
+        hint = (
+            f"Its config sets is_decoder=True, yet the implementation in transformers "
+            f"{transformers.__version__} attends bidirectionally (as BigBird, MegatronBert, RemBert and RoFormer "
+            f"do in transformers 5.17, even as decoders): upgrade transformers to a release whose implementation "
+            f"is causal as a decoder."
+        )
+    else:
+        hint = "BERT-style heads are causal only as decoders: load the model with is_decoder=True."
+    return (
+        f"{who} does not decode incrementally like its full forward {_when(runner, capacity)} ({failure}), "
+        f"because its full forward attends to later tokens ({later}): no incremental decoding reproduces it, "
+        f"not even its own generate(). {hint} specfx cannot run it exactly, so it refuses it rather than "
+        f"generate different tokens."
     )
 
 
-def compare_rows(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> str | None:
-    """None if ``got [N, V]`` reproduces ``ref [N, V]`` (:func:`compare`'s rule), else what differs."""
-    found = _mismatch(got, ref, dtype)
-    return None if found is None else found[1].format(where=f"checked position {found[0]}")
+def _refusal(runner, failure, capacity: int) -> str:
+    who = f"{runner.role} ({type(runner.model).__name__})"
+    when = _when(runner, capacity)
+    if isinstance(failure, Exception):
+        return (
+            f"{who} failed when driven through a KV cache with an explicit 4-D mask and position_ids "
+            f"{when} ({type(failure).__name__}: {failure}); specfx cannot speculate it."
+        )
+    return (
+        f"{who} does not decode incrementally like its full forward {when} ({failure}). It attends "
+        f"to later tokens (BERT-style heads need is_decoder=True), derives positions from the cache "
+        f"length rather than position_ids, or builds its attention window from the cache's length "
+        f"(GPT-Neo's local attention). specfx cannot run it exactly, so it refuses it rather than "
+        f"generate different tokens."
+    )
 
 
-def compare(got: torch.Tensor, full: torch.Tensor, dtype: torch.dtype) -> str | None:
-    """None if ``got`` (:func:`incremental_logits`' ``[2L - PAD, V]``) reproduces ``full``
-    (:func:`full_logits`' ``[L, V]``): every logit within ``REL_TOL[dtype] * max|full|`` and,
-    at every position, got's argmax a top token of the reference (within the same tolerance:
-    near-ties may flip). Else what differs, in words."""
-    length = full.shape[0]
-    ref = torch.cat([full, full[: length - PAD]])  # row 1 decodes a prefix: causal, same logits
-    found = _mismatch(got, ref, dtype)
-    if found is None:
+def tree_refusal(runner) -> str | None:
+    """Why this model cannot verify token trees, or None if it can. Checked once per runner
+    by a tree-shaped probe (:func:`specfx.model.probe.tree_logits`; its finding is kept in
+    ``runner.tree_failure``): tree nodes sit in slots that are not their positions, which a
+    model deriving positions or biases from slot indices gets wrong (MPT's ALiBi) though it
+    decodes chains exactly."""
+    if runner.protocol == "rowwise_2d":
+        return (
+            f"{runner.role} ({type(runner.model).__name__}) needs a 2-D padding mask (specfx drives it "
+            f"row by row, letting transformers build its causal mask), so its attention cannot be "
+            f"given a token tree's mask; use a chain (num_speculative_tokens=K, no tree=)."
+        )
+    if runner.tree_failure is None:
+        runner.tree_failure = _probe_tree(runner) or ""
+    if runner.tree_failure:
+        return (
+            f"{runner.role} ({type(runner.model).__name__}) does not verify a token tree like its own full "
+            f"forward ({runner.tree_failure}): tree nodes sit in KV slots that are not their positions, and "
+            f"this model derives positions or attention biases from slot indices (ALiBi built from the "
+            f"cache, as MPT's). specfx cannot verify trees on it exactly; use a chain "
+            f"(num_speculative_tokens=K, no tree=)."
+        )
+    return None
+
+
+def _probe_tree(runner) -> str | None:
+    """None if a tree verification reproduces the full forward, else what differs (or the
+    exception raised). Skipped in training mode, like the incremental probe. The runner's own
+    buffers are left as they were."""
+    if runner.model.training:
         return None
-    worst, what = found
-    row, position = (0, worst) if worst < length else (1, worst - length)
-    return what.format(where=f"position {position} of row {row}")
+    seq = probe_tokens(min(runner.probe_length, 16), runner.vocab_size, runner.device)
+    try:
+        with torch.no_grad():
+            full = full_logits(runner.model, seq)
+            with runner.scratch_cache(1, probe_capacity(seq.numel())):
+                got = tree_logits(runner, seq)
+    except Exception as e:  # reported by the caller, which names the model
+        return f"{type(e).__name__}: {e}"
+    n = seq.numel()
+    return compare_rows(got, full[n - 3 :], runner.dtype)
+
+
+def taps_refusal(runner) -> str | None:
+    """Why drafters cannot read this model's hidden states, or None if they can."""
+    if runner.protocol == "rowwise_2d":
+        return (
+            f"{runner.role} ({type(runner.model).__name__}) needs a 2-D padding mask (specfx drives it "
+            f"row by row), so its hidden states cannot be tapped in one forward; drafters that "
+            f"read the target's hidden states (MTP, Medusa, EAGLE) cannot serve it."
+        )
+    return None

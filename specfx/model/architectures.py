@@ -6,14 +6,16 @@ through the same hooks (``cache.update`` on the cache argument, a 4-D mask or a 
 cannot roll back. This table is *declarative*: it records what was verified for each model type
 and what makes the architecture interesting, and the conformance tests
 (``tests/conformance/test_conformance.py``) are generated from it. An architecture missing from the
-table that follows the conventions works anyway; ``python -m specfx.model.architectures
---sweep`` checks every causal LM type transformers ships and prints the rows to add.
+table that follows the conventions works anyway; ``python -m specfx.testing.architectures
+--sweep`` checks every causal LM type transformers ships and prints the rows to add (the table
+itself imports nothing above the model layer: what runs models through ``speculate()`` lives
+in :mod:`specfx.testing.architectures`).
 
 A row may hold only where the installed implementation is causal (``ArchSpec.if_causal``): transformers
 5.17's BigBird, MegatronBert and RemBert attend to later tokens even as decoders. Whether it is
 is read off the installed implementation itself (:func:`decodes_incrementally`, HF's own cached
 decoding against its full forward), never off a version number; :func:`supported` leaves such a
-row out where it is not, and ``speculate()`` refuses the model there (the incremental-decoding
+row out where its predicate says it is not, and ``speculate()`` refuses the model there (the incremental-decoding
 probe).
 
 The engine reads one declaration from here, for failures nothing in the config or graph
@@ -28,15 +30,20 @@ Statuses:
                 linear-attention state, no KV cache, or the incremental-decoding probe: the
                 model's logits through specfx's cache, mask and positions differ from its
                 full forward, e.g. bidirectional heads, positions taken from the cache length,
-                windows cut from the buffer length; see :mod:`specfx.model.admission`).
+                windows cut from the buffer length; see :mod:`specfx.model.probe`).
     unsupported known not to work yet; ``reason`` says why, and ``speculate()`` raises it (a
                 declared refusal, for failures no generic check catches).
 """
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import torch
+
+from specfx.model.hf_names import cache_kwarg, output_cache
+from specfx.model.probe import compare_rows, full_logits, probe_tokens
 
 __all__ = [
     "ARCHITECTURES",
@@ -46,7 +53,6 @@ __all__ = [
     "decodes_incrementally",
     "installed",
     "supported",
-    "sweep",
 ]
 
 
@@ -209,21 +215,17 @@ def installed(name: str) -> bool:
     return name in CONFIG_MAPPING_NAMES
 
 
-def supported() -> list[str]:
+def supported(decodes_incrementally_by_type: Callable[[str], bool]) -> list[str]:
     """Supported model types that the installed transformers ships, less the ``if_causal`` rows
-    whose installed implementation does not decode incrementally (their tiny model is checked)."""
+    for which ``decodes_incrementally_by_type(name)`` is False (whether the installed
+    implementation of that type decodes incrementally: :func:`decodes_incrementally` on a model
+    of that type; ``specfx.testing.architectures.tiny_decodes_incrementally`` checks its tiny
+    model). The predicate is asked only for ``if_causal`` rows."""
     return [
         name
         for name, spec in ARCHITECTURES.items()
-        if spec.status == "supported" and installed(name) and (not spec.if_causal or _tiny_decodes_incrementally(name))
+        if spec.status == "supported" and installed(name) and (not spec.if_causal or decodes_incrementally_by_type(name))
     ]
-
-
-@functools.cache
-def _tiny_decodes_incrementally(name: str) -> bool:
-    from specfx.testing.tiny import tiny_causal_lm
-
-    return decodes_incrementally(tiny_causal_lm(name, **ARCHITECTURES[name].overrides))
 
 
 def decodes_incrementally(model, length: int = 12) -> bool:
@@ -232,12 +234,7 @@ def decodes_incrementally(model, length: int = 12) -> bool:
     tokens (within the probe's tolerance). False for a forward that attends to later tokens (an
     encoder head, or a decoder whose installed implementation builds a bidirectional mask): no
     incremental path, HF's nor specfx's, reproduces such a model. Only HF's hooks are used here;
-    specfx's own path is the probe's business (:mod:`specfx.model.admission`)."""
-    import torch
-
-    from specfx.model.hf_names import cache_kwarg, output_cache
-    from specfx.model.admission import compare_rows, full_logits, probe_tokens
-
+    specfx's own path is the probe's business (:mod:`specfx.model.probe`)."""
     seq = probe_tokens(length, model.config.get_text_config().vocab_size, model.device)
     name = cache_kwarg(model)
     cache, steps = None, []
@@ -250,60 +247,10 @@ def decodes_incrementally(model, length: int = 12) -> bool:
     return compare_rows(torch.stack(steps), full, model.dtype) is None
 
 
-def sweep(model_types=None, max_new_tokens: int = 40) -> list[tuple[str, str]]:
-    """Check model types (default: every causal LM type transformers ships) in eager mode:
-    greedy equality with ``model.generate()`` at batch 1 and for a left-padded batch, with a
-    perturbed copy as draft. Returns ``(model_type, result)`` rows."""
-    import torch
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    import specfx
-
-    from specfx.testing.tiny import perturbed_copy, tiny_causal_lm, tiny_config
-
-    rows = []
-    for mt in model_types or list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
-        spec = ARCHITECTURES.get(mt, ArchSpec("unknown"))
-        try:
-            cfg = tiny_config(mt, **spec.overrides)
-            with torch.device("meta"):
-                from transformers import AutoModelForCausalLM
-
-                n = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
-            if n > 30e6:
-                rows.append((mt, f"skipped: tiny config still has {n / 1e6:.0f}M parameters"))
-                continue
-            target = tiny_causal_lm(mt, **spec.overrides)
-            spec_gen = specfx.speculate(
-                target, draft=perturbed_copy(target, 0.03), num_speculative_tokens=3, compile=False
-            )
-            g = torch.Generator().manual_seed(0)
-            ids = torch.randint(3, 128, (3, 10), generator=g)
-            mask = torch.ones_like(ids)
-            mask[0, :4] = 0
-            mask[1, :2] = 0
-            ids = ids.masked_fill(mask == 0, 0)
-            results = []
-            for x, m in ((ids[2:], None), (ids, mask)):
-                kw = dict(max_new_tokens=max_new_tokens, do_sample=False, attention_mask=m)
-                same = torch.equal(spec_gen.generate(x, **kw), target.generate(x, **kw))
-                results.append("equal" if same else "DIFFERENT")
-            rows.append((mt, f"batch 1 {results[0]}, padded batch {results[1]}"))
-        except Exception as e:  # a sweep reports every failure and goes on
-            rows.append((mt, f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"))
-    return rows
-
-
 if __name__ == "__main__":
-    import argparse
+    import sys
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sweep", action="store_true", help="check every causal LM type transformers ships")
-    parser.add_argument("types", nargs="*", help="model types to check (default: all)")
-    args = parser.parse_args()
-    if not (args.sweep or args.types):
-        for name, spec in ARCHITECTURES.items():
-            print(f"{name:24s} {spec.status:12s} {spec.features or spec.reason}")
-    else:
-        for mt, result in sweep(args.types or None):
-            print(f"{mt:28s} {ARCHITECTURES.get(mt, ArchSpec('not in table')).status:12s} {result}", flush=True)
+    if sys.argv[1:]:  # the sweep runs speculate(): a tool above this layer
+        sys.exit("the sweep is `python -m specfx.testing.architectures --sweep [TYPES...]`")
+    for name, spec in ARCHITECTURES.items():
+        print(f"{name:24s} {spec.status:12s} {spec.features or spec.reason}")

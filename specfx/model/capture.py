@@ -23,18 +23,37 @@ trace, about a second for a tiny model): never start one while a round is being 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import fx, nn
 
+from specfx.model.cache import SlotCache
 from specfx.model.dynamo import fresh_code
 from specfx.model.masks import TreeView
 
-if TYPE_CHECKING:
-    from specfx.model.runner import ModelRunner
+__all__ = [
+    "CaptureError",
+    "CapturedForward",
+    "ForwardRunner",
+    "capture_forward",
+    "decoder_blocks",
+    "decoder_layer_names",
+]
 
-__all__ = ["CaptureError", "CapturedForward", "capture_forward", "decoder_blocks", "decoder_layer_names"]
+
+class ForwardRunner(Protocol):
+    """What a capture needs of a runner (a :class:`~specfx.model.runner.ModelRunner`, which
+    imports this module: the dependency runs one way, runner -> taps -> capture)."""
+
+    model: nn.Module
+    cache: SlotCache | None
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tree: TreeView | None = None):
+        ...
 
 
 def decoder_blocks(model: nn.Module) -> list[str]:
@@ -89,7 +108,7 @@ class CapturedForward:
         self,
         gm: fx.GraphModule,
         inputs: list,
-        runner: ModelRunner,
+        runner: ForwardRunner,
         queries: tuple[int, ...] | None = None,
         sites: int = 0,
     ):
@@ -161,7 +180,7 @@ _RECORDER = _Recorder()
 
 
 def capture_forward(
-    runner: ModelRunner,
+    runner: ForwardRunner,
     batch_size: int,
     tokens: int = 1,
     tree: TreeView | None = None,

@@ -68,16 +68,6 @@ class MaskPlan:
             masks[layer_type] = built[pattern]
         return masks
 
-    def describe(self) -> str:
-        if self.by_type is None:
-            return _describe(self.single)
-        return ", ".join(f"{t}: {_describe(p)}" for t, p in self.by_type.items())
-
-
-def _describe(pattern: Pattern) -> str:
-    kind, size = pattern
-    return "causal" if kind == "full" else f"{kind} {size}"
-
 
 def layer_pattern(config, layer_type: str, model_name: str) -> Pattern:
     """The mask pattern of ``config``'s layers of type ``layer_type`` (a ``config.layer_types``

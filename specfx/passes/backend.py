@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
+from specfx.passes.checks.no_host_sync import opaque_host_syncs
 from specfx.passes.pipeline import PassReport, run_passes
 from specfx.passes.rewrites.live_kv import LiveKV
-from specfx.passes.checks.no_host_sync import opaque_host_syncs
 
 __all__ = ["GraphRecord", "GraphRecords", "make_backend", "specfx_backend", "specfx_eager_backend"]
 

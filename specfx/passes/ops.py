@@ -1,8 +1,11 @@
 """What a pass may know about a node: the example value Dynamo (``example_value``) or
 make_fx/export (``val``) recorded, or the shape ``ShapeProp`` recorded (``tensor_meta``).
 
-Rewriting passes read shapes from here before they rewrite, and skip a node whose meta is
-missing (a graph built by hand, or a node another pass inserted without meta): never guess.
+Rewriting passes read values from here before they rewrite (:func:`node_value`,
+:func:`node_tensor`, :func:`tensor_rank`: the one reader of node meta), and skip a node whose
+meta is missing (a graph built by hand, or a node another pass inserted without meta): never
+guess. Passes that insert nodes give them meta (:func:`infer_meta`, :func:`refresh_meta`) so
+that later passes can read them too.
 """
 
 from __future__ import annotations
@@ -10,16 +13,29 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-__all__ = ["META_KEYS", "infer_meta", "refresh_meta", "tensor_rank"]
+__all__ = ["META_KEYS", "infer_meta", "node_tensor", "node_value", "refresh_meta", "tensor_rank"]
 
 META_KEYS = ("example_value", "val")
 
 
-def _value(node: fx.Node):
+def node_value(node):
+    """The example value recorded for ``node``: its meta under the first of :data:`META_KEYS`
+    present, whatever it is (a tensor, a tuple of them for a multi-output op, a SymInt...).
+    None when ``node`` is not an ``fx.Node`` (a constant argument) or carries no example value;
+    ``tensor_meta`` is not read here (:func:`tensor_rank` falls back to it)."""
+    if not isinstance(node, fx.Node):
+        return None
     for key in META_KEYS:
         if key in node.meta:
             return node.meta[key]
     return None
+
+
+def node_tensor(node) -> torch.Tensor | None:
+    """:func:`node_value` when it is a tensor (its shape, dtype and device are then known),
+    else None: what a rewrite reads before it proves a pattern."""
+    val = node_value(node)
+    return val if isinstance(val, torch.Tensor) else None
 
 
 def tensor_rank(node) -> int | None:
@@ -27,7 +43,7 @@ def tensor_rank(node) -> int | None:
     (no meta, not a node, not a tensor)."""
     if not isinstance(node, fx.Node):
         return None
-    val = _value(node)
+    val = node_value(node)
     if isinstance(val, torch.Tensor):
         return val.dim()
     tm = node.meta.get("tensor_meta")

@@ -12,7 +12,7 @@ sliding window); the rowwise ones are refused with a clear ValueError. The compi
 (gemma2: dict masks, softcapping, eager attention; mixtral: MoE routing, sliding window) runs
 the tree compiled too; bloom, the subset's third, is on the rowwise protocol (refused).
 
-Full matrix outside CI: ``python -m specfx.model.architectures --sweep``.
+Full matrix outside CI: ``python -m specfx.testing.architectures --sweep``.
 """
 
 import inspect
@@ -22,21 +22,20 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import specfx
-from specfx.model.masks import TreeView
 from specfx.model.architectures import (
     ARCHITECTURES,
     COMPILED_SUBSET,
     REPRESENTATIVE,
     decodes_incrementally,
     installed,
-    supported,
 )
+from specfx.model.masks import TreeView
+from specfx.testing.architectures import supported_here
 from specfx.testing.tiny import perturbed_copy, tiny_causal_lm
 from specfx.trees.types import TokenTree
-
 from tests.conftest import left_padded, prompt, tiered
 
-SUPPORTED = supported()
+SUPPORTED = supported_here()
 _models = {}
 
 

@@ -21,26 +21,25 @@ import pytest
 import torch
 
 import specfx
-from specfx.model.architectures import supported
-from specfx.testing.tiny import tiny_causal_lm
 from specfx.sampling.processors import Mode
+from specfx.testing.architectures import supported_here
+from specfx.testing.tiny import tiny_causal_lm
 from specfx.trees.types import TokenTree
-
-from tests.conftest import left_padded, prompt, tiered
 from tests.conformance.test_conformance import _pair  # the conformance matrix's target/draft pairs, cached
+from tests.conftest import left_padded, prompt, tiered
 
 EAGER_ATTENTION = (
     "gemma2 bloom codegen flint gpt_neox_japanese gpt_oss gptj granite_swa granitemoe_swa mimo_v2_flash "
     "vaultgemma xglm mpt big_bird megatron-bert rembert"
 ).split()
 REQUIRED_SDPA = "llama mistral qwen2 qwen3 gemma phi3 gpt2 gpt_neox opt falcon stablelm mixtral qwen2_moe".split()
-LIVE_SUBSET = [a for a in REQUIRED_SDPA + EAGER_ATTENTION if a in supported()]
+LIVE_SUBSET = [a for a in REQUIRED_SDPA + EAGER_ATTENTION if a in supported_here()]
 # supported in eager mode, but no round of theirs compiles, with or without the pass
 NOT_COMPILABLE = {
     "ctrl": "Dynamo cannot trace its forward (Unsupported python_type() call: it re-registers a buffer)",
     "jetmoe": "its MoE routing calls .item() (the round check refuses the graph)",
 }
-ALL = [a for a in supported() if a not in NOT_COMPILABLE]
+ALL = [a for a in supported_here() if a not in NOT_COMPILABLE]
 # the default tier: SDPA, eager attention with dict masks and softcapping, ALiBi (rowwise),
 # attention sinks with a window; trees: a window (SDPA) and mixed layer types
 DEFAULT_SUBSET = ("llama", "gemma2", "bloom", "gpt_oss")

@@ -15,6 +15,8 @@ import operator
 import torch
 from torch import fx
 
+from specfx.passes.ops import node_tensor
+
 __all__ = ["HostSyncError", "FORBIDDEN_FUNCTIONS", "FORBIDDEN_METHODS", "OPAQUE_HOST_SYNCS", "check_no_host_sync", "opaque_host_syncs"]
 
 
@@ -66,8 +68,8 @@ FORBIDDEN_METHODS = {
 
 def _is_bool_tensor(arg) -> bool:
     if isinstance(arg, fx.Node):
-        val = arg.meta.get("example_value", arg.meta.get("val"))
-        return isinstance(val, torch.Tensor) and val.dtype == torch.bool
+        val = node_tensor(arg)
+        return val is not None and val.dtype == torch.bool
     if isinstance(arg, (tuple, list)):
         return any(_is_bool_tensor(a) for a in arg)
     return False

@@ -35,22 +35,12 @@ import operator
 import torch
 from torch import fx
 
-from specfx.passes.ops import META_KEYS
+from specfx.passes.ops import node_tensor
 
 __all__ = ["gqa_sdpa"]
 
 _SDPA = {torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention}
 _FULL = slice(None, None, None)
-
-
-def _val(node):
-    if not isinstance(node, fx.Node):
-        return None
-    for key in META_KEYS:
-        v = node.meta.get(key)
-        if isinstance(v, torch.Tensor):
-            return v
-    return None
 
 
 def _repeated_heads(node) -> tuple[fx.Node, int] | None:
@@ -73,7 +63,7 @@ def _repeated_heads(node) -> tuple[fx.Node, int] | None:
     if index[:3] != (_FULL, _FULL, None) or any(i != _FULL and i is not Ellipsis for i in index[3:]):
         return None
     base = new_axis.args[0]
-    x, x5, xe, xr = _val(base), _val(new_axis), _val(expand), _val(node)
+    x, x5, xe, xr = node_tensor(base), node_tensor(new_axis), node_tensor(expand), node_tensor(node)
     if any(v is None for v in (x, x5, xe, xr)) or x.dim() != 4:
         return None
     b, h, s, d = x.shape
@@ -93,12 +83,12 @@ def gqa_sdpa(gm: fx.GraphModule) -> int:
         if len(node.args) < 3 or node.kwargs.get("enable_gqa"):
             continue
         q, k, v = node.args[:3]
-        qv = _val(q)
+        qv = node_tensor(q)
         rk, rv = _repeated_heads(k), _repeated_heads(v)
         if qv is None or rk is None or rv is None or rk[1] != rv[1] or qv.device.type != "cpu":
             continue
         (kb, n_rep), (vb, _) = rk, rv
-        if qv.dim() != 4 or qv.shape[1] != _val(kb).shape[1] * n_rep:
+        if qv.dim() != 4 or qv.shape[1] != node_tensor(kb).shape[1] * n_rep:
             continue
         node.args = (q, kb, vb, *node.args[3:])
         node.kwargs = {**node.kwargs, "enable_gqa": True}

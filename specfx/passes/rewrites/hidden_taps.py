@@ -47,8 +47,8 @@ import operator
 import torch
 from torch import fx
 
+from specfx.passes.ops import node_value
 from specfx.passes.rewrites.early_exit import layer_map, normalize_module_path
-from specfx.passes.ops import META_KEYS
 
 __all__ = ["HiddenTapsError", "check_tap_names", "hidden_taps", "tap_names"]
 
@@ -81,13 +81,9 @@ def check_tap_names(taps, num_layers: int) -> tuple[str, ...]:
     return tuple(taps)
 
 
-def _value(node: fx.Node):
-    return next((node.meta[k] for k in META_KEYS if k in node.meta), None)
-
-
 def _signature(node: fx.Node):
     """(shape, dtype) of the tensor ``node`` makes, or None when unknown or not a tensor."""
-    val = _value(node)
+    val = node_value(node)
     return (tuple(val.shape), val.dtype) if isinstance(val, torch.Tensor) else None
 
 

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from specfx.passes.ops import META_KEYS, infer_meta, refresh_meta
+from specfx.passes.ops import infer_meta, node_tensor, refresh_meta
 
 __all__ = ["LiveKV", "live_kv"]
 
@@ -67,18 +67,8 @@ _REDUCTIONS = {torch.logsumexp, torch.amax, torch.max}
 _FULL = slice(None, None, None)
 
 
-def _val(node):
-    if not isinstance(node, fx.Node):
-        return None
-    for key in META_KEYS:
-        if key in node.meta:
-            v = node.meta[key]
-            return v if isinstance(v, torch.Tensor) else None
-    return None
-
-
 def _shape(node):
-    v = _val(node)
+    v = node_tensor(node)
     return tuple(v.shape) if v is not None else None
 
 

@@ -1,4 +1,4 @@
-"""The incremental-decoding probe (specfx.model.admission, ModelRunner._check_incremental / allocate):
+"""The incremental-decoding probe (specfx.model.admission and specfx.model.probe, at ModelRunner() and allocate):
 models specfx cannot run exactly are refused, at speculate() or when the buffers grow; models
 it runs exactly are not."""
 
@@ -10,10 +10,9 @@ import specfx
 from specfx.model.cache import SlotCache
 from specfx.model.hf_names import cache_kwarg
 from specfx.model.masks import MaskPlan
-from specfx.testing.tiny import perturbed_copy, tiny_causal_lm
-from specfx.model.admission import REL_TOL, attention_spans, compare, probe_length
+from specfx.model.probe import REL_TOL, attention_spans, compare, probe_length
 from specfx.model.runner import ModelRunner
-
+from specfx.testing.tiny import perturbed_copy, tiny_causal_lm
 from tests.conftest import prompt
 
 REFUSED = r"does not decode incrementally like its full forward"

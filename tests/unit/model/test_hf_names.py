@@ -19,10 +19,10 @@ import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 import specfx
-from specfx.model.hf_names import CACHE_KWARGS, cache_kwarg, output_cache, output_cache_field
 from specfx.drafters.heads.eagle import Eagle
 from specfx.drafters.heads.eagle3 import Eagle3
 from specfx.drafters.heads.medusa import Medusa
+from specfx.model.hf_names import CACHE_KWARGS, cache_kwarg, output_cache, output_cache_field
 from specfx.testing.tiny import tiny_causal_lm
 from tests.conftest import left_padded, pair
 from tests.unit.drafters.test_mtp import mtp_target

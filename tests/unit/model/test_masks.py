@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import PretrainedConfig
 
-from specfx.model import cache as cache_module
 from specfx.drafters import mtp as mtp_module
+from specfx.model import cache as cache_module
 from specfx.model.masks import MaskPlan, TreeView, build_mask, layer_pattern, to_format, visible_slots
 from specfx.trees.types import TreeTensors
 from tests.unit.trees.test_tree import SIX_PARENTS, random_parents, reference_tables

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from specfx.model.hf_names import cache_kwarg
-from specfx.testing.tiny import tiny_causal_lm
 from specfx.passes import make_backend
+from specfx.testing.tiny import tiny_causal_lm
 
 W = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))  # [V=8, H=4]
 B8 = torch.randn(8, generator=torch.Generator().manual_seed(1))

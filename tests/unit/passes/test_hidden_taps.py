@@ -12,14 +12,14 @@ import torch
 from torch import fx, nn
 
 import specfx
-from specfx.model.capture import capture_forward, decoder_layer_names
 from specfx.drafters.base import Drafter
+from specfx.drafters.prompt_lookup import PromptLookup
 from specfx.model.architectures import ARCHITECTURES
-from specfx.testing.tiny import tiny_causal_lm
+from specfx.model.capture import capture_forward, decoder_layer_names
+from specfx.model.runner import ModelRunner
 from specfx.passes import HiddenTapsError, PassError, hidden_taps
 from specfx.passes.rewrites.early_exit import layer_of
-from specfx.drafters.prompt_lookup import PromptLookup
-from specfx.model.runner import ModelRunner
+from specfx.testing.tiny import tiny_causal_lm
 from tests.conftest import ARCHS, left_padded, prompt
 
 TAPS = ("layer:0", "layer:1", "layer:2", "last", "final")
@@ -107,7 +107,7 @@ def test_bad_tap_names_are_refused_with_the_valid_ones():
     zeros = torch.zeros((2, 1), dtype=torch.long)
     with pytest.raises(ValueError, match=r"unknown hidden-state tap 'layer:-1'"):
         runner.forward(zeros, zeros, zeros, taps=("layer:-1",))
-    assert not runner._tap_graphs  # refused before any capture
+    assert not runner.taps.graphs  # refused before any capture
 
     class BadTaps(Drafter):
         name = "bad_taps"
@@ -223,7 +223,7 @@ def test_pass_errors_name_the_pass_in_the_runner(monkeypatch, one_thread):
     """A model whose graph the pass cannot read is refused at capture with a ValueError naming
     the pass (the PassError is its cause)."""
     runner = _runner()
-    monkeypatch.setattr("specfx.model.runner.decoder_layer_names", lambda model: ["nowhere.0", "nowhere.1", "nowhere.2"])
+    monkeypatch.setattr("specfx.model.taps.decoder_layer_names", lambda model: ["nowhere.0", "nowhere.1", "nowhere.2"])
     zeros = torch.zeros((2, 1), dtype=torch.long)
     with pytest.raises(
         ValueError, match=r"cannot be tapped: specfx pass 'hidden_taps' failed.*no graph node was traced inside decoder"
@@ -235,12 +235,12 @@ def test_pass_errors_name_the_pass_in_the_runner(monkeypatch, one_thread):
 def test_captures_are_kept_per_shape_and_dropped_with_the_capacity(one_thread):
     runner = _runner(capacity=32)
     runner.prepare_taps(2, 3, ("final",))
-    first = dict(runner._tap_graphs)
+    first = dict(runner.taps.graphs)
     runner.prepare_taps(2, 3, ("final",))  # captured already: nothing new
     runner.prepare_taps(2, 3, ("final", "layer:1"))  # other taps: a capture of its own
-    assert len(runner._tap_graphs) == 2 and all(runner._tap_graphs[k] is g for k, g in first.items())
+    assert len(runner.taps.graphs) == 2 and all(runner.taps.graphs[k] is g for k, g in first.items())
     runner.allocate(2, 32)  # reallocated, same shape: the captures serve the new buffers
-    assert len(runner._tap_graphs) == 2
+    assert len(runner.taps.graphs) == 2
     ids = prompt(3, batch=2, seed=1)
     pos = torch.arange(3).expand(2, -1)
     with torch.no_grad():
@@ -248,7 +248,7 @@ def test_captures_are_kept_per_shape_and_dropped_with_the_capacity(one_thread):
         assert torch.equal(logits, runner.forward(ids, pos, pos))
     _assert_equal_to_hf(final[0], _hf(runner.model, ids[:1])["final"][0])
     runner.allocate(2, 64)  # grown: the old capacity's captures go
-    assert runner._tap_graphs == {}
+    assert runner.taps.graphs == {}
 
 
 def test_a_shape_missed_before_compiling_is_an_internal_error(one_thread):
@@ -280,11 +280,11 @@ def test_compiled_mtp_round_does_not_recompile_for_another_prompt_length(one_thr
     ids = prompt(6, batch=2, seed=1)
     assert torch.equal(spec.generate(ids, max_new_tokens=10), target.generate(ids, max_new_tokens=10))
     assert [e.key[0] for e in spec.compile_events] == ["round"]
-    captured = len(spec.target_runner._tap_graphs)
+    captured = len(spec.target_runner.taps.graphs)
     ids = prompt(20, batch=2, seed=2)  # another prefill bucket (16 -> 64)
     with torch._dynamo.config.patch(error_on_recompile=True):
         assert torch.equal(spec.generate(ids, max_new_tokens=10), target.generate(ids, max_new_tokens=10))
-    assert len(spec.target_runner._tap_graphs) == captured + 1  # the new bucket's prefill
+    assert len(spec.target_runner.taps.graphs) == captured + 1  # the new bucket's prefill
     assert len(spec.compile_events) == 1
 
 
@@ -316,7 +316,7 @@ def test_compiled_tree_round_with_taps_is_one_graph_and_stays_warm(one_thread):
     kw = dict(attention_mask=mask, max_new_tokens=12, eos_token_id=None, pad_token_id=0)
     assert torch.equal(spec.generate(ids, **kw), target.generate(ids, **kw))
     assert [e.key[0] for e in spec.compile_events] == ["round"]
-    trees = [k[3] for k in spec.target_runner._tap_graphs if k[3] is not None]
+    trees = [k[3] for k in spec.target_runner.taps.graphs if k[3] is not None]
     assert trees == [(1, tree.size, tuple(range(tree.size + 1)))]
     assert drafter.seen.abs().sum() > 0  # observe() ran with the features
     ids, mask = left_padded(7, (2, 0), seed=8)

@@ -7,8 +7,13 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from specfx.passes import (
     REWRITES,
+    ROUND_CHECKS,
     HostSyncError,
+    LiveKV,
     PassError,
+    Stage,
+    capture_transform,
+    default_stages,
     make_backend,
     prune_logits,
     remove_dead_code,
@@ -207,8 +212,8 @@ def test_opaque_host_syncing_ops_are_found_in_a_moe_graph():
     """transformers' MoE experts in float32 under torch.compile call a custom op that reads
     expert counts with .tolist(): the backend must see it (on CUDA it then compiles the round
     without a CUDA graph and warns, instead of crashing at capture)."""
-    from specfx.testing.tiny import tiny_causal_lm
     from specfx.passes.checks.no_host_sync import opaque_host_syncs
+    from specfx.testing.tiny import tiny_causal_lm
 
     model = tiny_causal_lm("mixtral")
     seen = []
@@ -248,3 +253,34 @@ def test_repeat_interleave_syncs_only_with_tensor_repeats():
 
     bad = offending_nodes(fx.symbolic_trace(M()))
     assert [b.split(":")[0] for b in bad] == ["repeat_interleave_2", "repeat_interleave_3"]
+
+
+# --------------------------------------------------------------------------- named stages
+def test_default_stages_put_live_kv_before_dead_code_removal():
+    names = [s.name for s in default_stages(round_checks=False)]
+    assert names == [p.__name__ for p in REWRITES]
+    names = [s.name for s in default_stages(round_checks=True, live=LiveKV(8, 4))]
+    assert names == [p.__name__ for p in ROUND_CHECKS] + ["prune_logits", "gqa_sdpa", "live_kv", "remove_dead_code"]
+    gm = fx.symbolic_trace(lambda x: x + 1)
+    report = run_passes(gm, live=LiveKV(8, 4))
+    assert [name for name, _ in report.sites] == names
+
+
+def test_a_stage_is_reported_under_its_name_and_may_let_its_own_error_through():
+    class CutError(RuntimeError):
+        pass
+
+    def cut(gm, where):
+        if where < 0:
+            raise CutError("nowhere to cut")
+        return where
+
+    gm = fx.symbolic_trace(lambda x: x + 1)
+    assert run_passes(gm, [Stage("the_cut", lambda g: cut(g, 3))], round_checks=False).sites == [("the_cut", 3)]
+    assert capture_transform("the_cut", cut, where=2)(gm) == 2
+    with pytest.raises(PassError, match=r"'the_cut' failed after passes \['\(none\)'\]: nowhere"):
+        capture_transform("the_cut", cut, where=-1)(gm)
+    with pytest.raises(CutError, match="nowhere to cut"):
+        capture_transform("the_cut", cut, raises=(CutError,), where=-1)(gm)
+    with pytest.raises(ValueError, match="live= only with the default pipeline"):
+        run_passes(gm, [Stage("the_cut", lambda g: 0)], live=LiveKV(8, 4))

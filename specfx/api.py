@@ -17,7 +17,8 @@ from transformers.utils import logging as hf_logging
 
 from specfx.engine.auto_k import AutoK
 from specfx.config import AUTO, MAX_SPECULATIVE_TOKENS, SpecConfig
-from specfx.drafters.base import branch_slots, resolve_drafter, shape_refusal
+from specfx.drafters.base import branch_slots, shape_refusal
+from specfx.drafters.registry import resolve_drafter
 from specfx.request.args import GenerateRequest, resolve_generate_args
 from specfx.model.dynamo import fresh_code, release_code
 from specfx.model.hf_names import penalty_counts_left_padding

@@ -43,7 +43,7 @@ import time
 
 import torch
 
-from specfx.drafters.early_exit import decoder_layer_names
+from specfx.model.capture import decoder_layer_names
 from specfx.bench.harness import (
     BASELINE,
     NO_EOS,

@@ -31,7 +31,7 @@ out, the query's own slot always visible so no mask row is empty.
 * :meth:`EagleBase.propose` (a chain of K): proposal 1 is the LM head on the stash (the
   entry at the pending position ``L``); step ``i`` writes the entry ``(proposal i, previous
   output)`` at position and slot ``L + i``. Proposals are processed and sampled like the
-  target's scores (:func:`specfx.drafters.base.draft_chain`), so sampling stays lossless.
+  target's scores (:func:`specfx.drafters.drafting.draft_chain`), so sampling stays lossless.
 * :meth:`EagleBase.propose_tree` (a static :class:`~specfx.trees.types.TokenTree`): node ``n``'s entry
   sits at position ``L + depth[n]`` in scratch slot ``L + n`` and sees the committed entries
   and its ancestors' (the tree mask); its feature is its parent's output (the root's is the
@@ -70,7 +70,9 @@ import torch
 from torch import nn
 
 from specfx.model.cache import SlotCache
-from specfx.drafters.base import Drafter, DynamicTreeDrafting, draft_chain, stash_at
+from specfx.model.capture import decoder_layer_names
+from specfx.drafters.base import Drafter, DynamicTreeDrafting
+from specfx.drafters.drafting import draft_chain, stash_at
 from specfx.model.dynamo import mark_static
 from specfx.model.hf_names import cache_kwarg
 from specfx.model.masks import TreeView, check_attn_implementation, layer_pattern, mask_plan, to_format, visible_slots
@@ -261,9 +263,7 @@ def rope_keys(config) -> dict:
 
 
 def _target_layer(model, owner: str) -> nn.Module:
-    """``model``'s first decoder layer (found generically, :func:`specfx.drafters.early_exit.decoder_layer_names`)."""
-    from specfx.drafters.early_exit import decoder_layer_names
-
+    """``model``'s first decoder layer (found generically, :func:`specfx.model.capture.decoder_layer_names`)."""
     try:
         return model.get_submodule(decoder_layer_names(model)[0])
     except ValueError as e:

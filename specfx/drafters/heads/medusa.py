@@ -42,7 +42,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specfx.drafters.base import Drafter, TreeDrafting, stash_at
+from specfx.drafters.base import Drafter, TreeDrafting
+from specfx.drafters.drafting import stash_at
 from specfx.model.dynamo import mark_static
 from specfx.model.runner import ModelRunner
 from specfx.trees.drafting import draft_tree

@@ -11,7 +11,7 @@ import torch
 from transformers import LogitsProcessorList
 
 import specfx
-from specfx.drafters.base import DEFAULT_DRAFTERS, NAMED_DRAFTERS
+from specfx.drafters.registry import DEFAULT_DRAFTERS, NAMED_DRAFTERS
 from specfx.testing.tiny import tiny_causal_lm
 from specfx.passes.checks.no_host_sync import offending_nodes
 from specfx.drafters.prompt_lookup import MAX_NGRAM, lookup_proposals

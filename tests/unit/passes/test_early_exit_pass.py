@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import fx
 
-from specfx.drafters.early_exit import capture_early_exit, decoder_layer_names
+from specfx.drafters.early_exit import capture_early_exit
+from specfx.model.capture import decoder_layer_names
 from specfx.testing.tiny import tiny_causal_lm
 from specfx.passes.rewrites.early_exit import EarlyExitError, early_exit, layer_of
 from specfx.model.runner import ModelRunner

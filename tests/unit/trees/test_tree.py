@@ -15,7 +15,7 @@ from scipy import stats
 
 import specfx
 from specfx.engine import tree_round
-from specfx.drafters.base import DraftModel
+from specfx.drafters.draft_model import DraftModel
 from specfx.model.hf_names import output_cache
 from specfx.passes.checks.no_host_sync import offending_nodes
 from specfx.model.runner import ModelRunner

@@ -82,7 +82,8 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 
 from specfx.model.cache import SlotCache
 from specfx.model.runner import ModelRunner
-from specfx.drafters.heads.eagle import EagleBase, rope_keys
+from specfx.drafters.heads.eagle_base import EagleBase
+from specfx.drafters.heads.eagle_checkpoint import rope_keys
 from specfx.drafters.heads.checkpoint import HeadCheckpoint, check_tensors, read_head, warn_engine_gaps, write_head
 
 logger = logging.getLogger(__name__)

@@ -40,13 +40,13 @@ from torch import fx
 
 from specfx.drafters.base import Drafter, TreeDrafting
 from specfx.drafters.drafting import draft_chain
+from specfx.model.admission import PROBE_MIN_CAPACITY
 from specfx.model.capture import CapturedForward, CaptureError, capture_forward, decoder_blocks
 from specfx.model.masks import TreeView
-from specfx.passes.rewrites.early_exit import EarlyExitError, early_exit
-from specfx.model.admission import PROBE_MIN_CAPACITY
 from specfx.model.runner import ModelRunner
-from specfx.trees.types import TokenTree
+from specfx.passes.rewrites.early_exit import EarlyExitError, early_exit
 from specfx.trees.drafting import draft_levels, draft_tree, level_inputs, tree_view
+from specfx.trees.types import TokenTree
 
 __all__ = ["EarlyExit", "ExitGraph", "capture_early_exit"]
 

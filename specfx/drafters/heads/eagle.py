@@ -24,7 +24,14 @@ from torch import nn
 
 from specfx.drafters.heads.checkpoint import HeadCheckpoint, check_tensors, read_head, warn_engine_gaps, write_head
 from specfx.drafters.heads.eagle_base import EagleBase
-from specfx.drafters.heads.eagle_checkpoint import CONFIG_KEYS, QKV_BIAS, engine_gaps, is_llama_layer, rope_keys, rope_theta
+from specfx.drafters.heads.eagle_checkpoint import (
+    CONFIG_KEYS,
+    QKV_BIAS,
+    engine_gaps,
+    is_llama_layer,
+    rope_keys,
+    rope_theta,
+)
 from specfx.drafters.heads.eagle_layer import (
     LAYER_OVERRIDES,
     decoder_layer,

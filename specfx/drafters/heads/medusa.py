@@ -30,11 +30,11 @@ import torch.nn.functional as F
 
 from specfx.drafters.base import Drafter, TreeDrafting
 from specfx.drafters.drafting import stash_at
+from specfx.drafters.heads.checkpoint import read_head, warn_engine_gaps, write_head
+from specfx.drafters.heads.medusa_checkpoint import KIND, LAYOUTS, check_count, engine_gaps, layout_tensors, read_heads
 from specfx.model.dynamo import mark_static
 from specfx.model.runner import ModelRunner
 from specfx.trees.drafting import draft_tree
-from specfx.drafters.heads.checkpoint import read_head, warn_engine_gaps, write_head
-from specfx.drafters.heads.medusa_checkpoint import KIND, LAYOUTS, check_count, engine_gaps, layout_tensors, read_heads
 
 __all__ = ["LAYOUTS", "Medusa", "from_name"]
 

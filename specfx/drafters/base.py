@@ -25,8 +25,9 @@ Where to add a drafter
 4. For ``draft="my_drafter"`` / ``"my_drafter:ARG"``: a ``from_name(arg)`` factory in the module
    and one line in :data:`specfx.drafters.registry.NAMED_DRAFTERS` (``"name": "module:from_name"``;
    the module is imported only when the name is resolved). For it to be picked without ``draft=``,
-   an entry in :data:`specfx.drafters.registry.DEFAULT_DRAFTERS`. Export the class in
-   ``specfx/drafters/__init__.py`` (and ``specfx/__init__.py`` if it is public API).
+   an entry in :data:`specfx.drafters.registry.DEFAULT_DRAFTERS`. Export the class from
+   ``specfx/drafters/__init__.py`` (``__all__`` and its lazy ``_LAZY`` table) and, if it is public
+   API, from ``specfx/__init__.py``.
 5. Tests in ``tests/unit/drafters/test_my_drafter.py`` (heads: ``tests/unit/drafters/heads/``):
    at least that greedy output equals the target's own (``model.generate()``), chains and, if it
    drafts them, trees; add it to the drafter table of ``tests/conformance/test_live_kv.py`` to

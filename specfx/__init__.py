@@ -4,11 +4,11 @@ Top-level API: :func:`speculate`, :class:`SpeculativeGenerator`, :class:`SpecCon
 :class:`SpecStats`, :class:`TokenTree`, :class:`PromptLookup`, :class:`Lookahead`, :class:`EarlyExit`,
 :class:`MTP`, and heads that read the target's hidden states: :class:`Medusa`, :class:`Eagle`
 (EAGLE-1/2), :class:`Eagle3`. Building blocks: :mod:`specfx.passes` (FX passes and the ``specfx``
-torch.compile backend), :mod:`specfx.drafters.base`, :mod:`specfx.sampling.processors`.
+torch.compile backend), :mod:`specfx.drafters`, :mod:`specfx.sampling.processors`.
 """
 
 from specfx.config import MAX_SPECULATIVE_TOKENS, SpecConfig
-from specfx.drafters.base import Drafter, DraftModel
+from specfx.drafters import Drafter, DraftModel
 from specfx.drafters.early_exit import EarlyExit
 from specfx.api import SpeculativeGenerator, speculate
 from specfx.drafters.lookahead import Lookahead

@@ -17,7 +17,7 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from specfx.config import SpecConfig
-from specfx.drafters.base import resolve_drafter
+from specfx.drafters.registry import resolve_drafter
 from specfx.engine.auto_k import AutoK, RoundTimer
 from specfx.engine.chain_round import RoundState, prefill_step, round_step
 from specfx.engine.graphs import CompileEvent, GraphCache, quarter_octave
@@ -53,9 +53,9 @@ def speculate(
         model: the target, a transformers causal LM (``AutoModelForCausalLM``). It is used as
             is: no weights are copied and nothing in it is changed.
         draft: the drafter: a smaller causal LM with the same vocabulary, a drafter name
-            (``"prompt_lookup"``, ``"name:arg"``; see ``specfx.drafters.base.NAMED_DRAFTERS``), a
+            (``"prompt_lookup"``, ``"name:arg"``; see ``specfx.drafters.registry.NAMED_DRAFTERS``), a
             :class:`specfx.drafters.base.Drafter`, or None (default): the first available of
-            ``specfx.drafters.base.DEFAULT_DRAFTERS`` (MTP heads when the model has them, otherwise
+            ``specfx.drafters.registry.DEFAULT_DRAFTERS`` (MTP heads when the model has them, otherwise
             prompt lookup). ``spec.method`` names the choice.
         num_speculative_tokens: K, proposals per round, or "auto": K chosen per round from the
             measured acceptance and round times among 0 (plain decoding) and ``auto_k_values``

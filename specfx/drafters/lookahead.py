@@ -35,8 +35,8 @@ import torch
 from specfx.drafters.base import Branching, Drafter, TreeDrafting
 from specfx.model.dynamo import mark_static
 from specfx.model.runner import ModelRunner
-from specfx.trees.types import MAX_TREE_NODES, TokenTree
 from specfx.trees.drafting import Branch
+from specfx.trees.types import MAX_TREE_NODES, TokenTree
 
 __all__ = ["MAX_NGRAM", "Lookahead", "branch_layout", "candidate_trie", "from_name", "pool_candidates"]
 

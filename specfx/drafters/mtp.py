@@ -39,8 +39,9 @@ import re
 import torch
 import torch.nn.functional as F
 
+from specfx.drafters.base import TREE_DRAFTERS, Drafter
+from specfx.drafters.drafting import draft_chain, stash_at
 from specfx.model.cache import SlotCache
-from specfx.drafters.base import TREE_DRAFTERS, Drafter, draft_chain, stash_at
 from specfx.model.dynamo import mark_static
 from specfx.model.hf_names import cache_kwarg, mtp_weights_regex
 from specfx.model.masks import check_attn_implementation, layer_pattern, to_format, visible_slots

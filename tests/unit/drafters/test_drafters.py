@@ -1,5 +1,5 @@
 """The drafter registry (declarative, no import side effects), what ``draft=`` accepts, and the
-one K-step draft loop (:func:`specfx.drafters.base.draft_chain`) every model-based drafter uses."""
+one K-step draft loop (:func:`specfx.drafters.drafting.draft_chain`) every model-based drafter uses."""
 
 import os
 import subprocess
@@ -9,23 +9,25 @@ import pytest
 import torch
 
 import specfx
-from specfx.drafters import base as drafters
-from specfx.drafters.base import DEFAULT_DRAFTERS, NAMED_DRAFTERS, draft_chain, resolve_drafter
+from specfx.drafters import drafting
+from specfx.drafters.drafting import draft_chain
+from specfx.drafters.registry import DEFAULT_DRAFTERS, NAMED_DRAFTERS, resolve_drafter
 from tests.conftest import pair
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the repository root (tests/unit/drafters/ is three levels below it)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 # --------------------------------------------------------------------------- registry
 def test_registry_resolves_names_without_importing_the_drafter_modules_first():
-    """specfx.drafters.base alone (the package's __init__, which imports every drafter, skipped)
+    """specfx.drafters.registry alone (the package's __init__, which imports every drafter, skipped)
     resolves every name: the tables declare the drafters, importing a module registers nothing."""
     code = f"""
 import sys, types
 package = types.ModuleType("specfx")
 package.__path__ = [{os.path.join(ROOT, "specfx")!r}]
 sys.modules["specfx"] = package  # no specfx/__init__.py: nothing else is imported
-from specfx.drafters.base import NAMED_DRAFTERS, resolve_drafter
+from specfx.drafters.registry import NAMED_DRAFTERS, resolve_drafter
 assert not any(m in sys.modules for m in ("specfx.drafters.prompt_lookup", "specfx.drafters.early_exit", "specfx.drafters.mtp"))
 before = dict(NAMED_DRAFTERS)
 print(type(resolve_drafter("prompt_lookup:4", None)).__name__, resolve_drafter("prompt_lookup:4", None).max_ngram)
@@ -92,7 +94,7 @@ def _one_hot(tokens, vocab=16):
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_draft_chain_feeds_each_proposal_to_the_next_step(k, monkeypatch):
-    monkeypatch.setattr(drafters, "draft_token", _fake_draft_token())
+    monkeypatch.setattr(drafting, "draft_token", _fake_draft_token())
     ctx = _Ctx()
     ctx.k = k
     calls = []
@@ -109,7 +111,7 @@ def test_draft_chain_feeds_each_proposal_to_the_next_step(k, monkeypatch):
 
 
 def test_draft_chain_returns_the_distributions_it_sampled_from(monkeypatch):
-    monkeypatch.setattr(drafters, "draft_token", _fake_draft_token())
+    monkeypatch.setattr(drafting, "draft_token", _fake_draft_token())
     logits = torch.randn(2, 1, 5)
     proposals, q = draft_chain(_Ctx(), logits, lambda i, p: logits * (i + 1))
     assert proposals.shape == (2, 3) and q.shape == (2, 3, 5)

@@ -11,10 +11,10 @@ import specfx
 from specfx.drafters.base import TreeDrafting
 from specfx.drafters.early_exit import ExitGraph, capture_early_exit
 from specfx.model.masks import TreeView
-from specfx.testing.tiny import tiny_causal_lm
 from specfx.model.runner import ModelRunner
-from specfx.trees.types import TokenTree
+from specfx.testing.tiny import tiny_causal_lm
 from specfx.trees.drafting import draft_levels
+from specfx.trees.types import TokenTree
 from tests.conftest import left_padded, prompt, tiered
 
 # depth 4; nodes with children at depth 1: (0,), (2,); depth 2: (0, 0), (0, 1); depth 3: (0, 0, 0)

@@ -193,8 +193,8 @@ CONFORMANCE = ("mistral", "qwen3", "gemma2", "phi3", "gpt_neox", "opt", "falcon"
 def test_conformance_subset_greedy_equals_hf(arch, one_thread):
     """The conformance matrix's tree check with lookahead: batch 1 and a ragged left-padded
     batch (prompts past a sliding window of 8 where the model has one), eager."""
-    from tests.conftest import prompt
     from tests.conformance.test_conformance import _check_greedy, _pair, _ragged
+    from tests.conftest import prompt
 
     target, _ = _pair(arch)
     spec = specfx.speculate(target, draft="lookahead:4,3,3", compile=False)

@@ -11,12 +11,12 @@ import torch
 from transformers import LogitsProcessorList
 
 import specfx
-from specfx.drafters.base import DEFAULT_DRAFTERS, NAMED_DRAFTERS
-from specfx.testing.tiny import tiny_causal_lm
-from specfx.passes.checks.no_host_sync import offending_nodes
 from specfx.drafters.prompt_lookup import MAX_NGRAM, lookup_proposals
-from tests.conftest import pair, prompt
+from specfx.drafters.registry import DEFAULT_DRAFTERS, NAMED_DRAFTERS
+from specfx.passes.checks.no_host_sync import offending_nodes
+from specfx.testing.tiny import tiny_causal_lm
 from tests.api.test_bad_input import Guard
+from tests.conftest import pair, prompt
 from tests.lossless.test_lossless import _chisquare, _exact, _models
 
 

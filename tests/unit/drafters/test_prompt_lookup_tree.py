@@ -12,8 +12,8 @@ import torch
 from transformers import LogitsProcessorList
 
 import specfx
-from specfx.passes.checks.no_host_sync import offending_nodes
 from specfx.drafters.prompt_lookup import MAX_TREE_MATCHES, lookup_matches, lookup_proposals, lookup_tree
+from specfx.passes.checks.no_host_sync import offending_nodes
 from specfx.trees.types import TokenTree
 from tests.conftest import left_padded
 from tests.lossless.test_lossless import _chisquare, _exact, _models

@@ -14,7 +14,7 @@ import torch
 from scipy import stats
 
 import specfx
-from specfx.drafters.base import DraftModel
+from specfx.drafters.draft_model import DraftModel
 from specfx.engine import tree_round
 from specfx.model.hf_names import output_cache
 from specfx.model.runner import ModelRunner

@@ -18,8 +18,8 @@ from torch import nn
 from transformers import LogitsProcessorList
 
 import specfx
-from specfx.drafters.heads.eagle import Eagle
 from specfx.drafters.heads.checkpoint import HeadLayoutWarning, write_head
+from specfx.drafters.heads.eagle import Eagle
 from specfx.testing.tiny import tiny_causal_lm
 from specfx.trees.types import TokenTree
 from tests.conftest import active_rounds, left_padded, prompt, tiered

@@ -22,10 +22,9 @@ from transformers import LogitsProcessorList
 import specfx
 from specfx.drafters.heads.eagle3 import Eagle3, resolve_taps
 from specfx.testing.tiny import tiny_causal_lm
-from specfx.trees.types import TokenTree
 from specfx.trees.drafting import draft_levels
+from specfx.trees.types import TokenTree
 from tests.conftest import active_rounds, left_padded, prompt, tiered
-from tests.unit.drafters.heads.test_eagle import _Reference as _EagleReference
 from tests.lossless.test_lossless import (
     NEW,
     ROWS,
@@ -35,6 +34,7 @@ from tests.lossless.test_lossless import (
     _exact,
     _tree_samples,
 )
+from tests.unit.drafters.heads.test_eagle import _Reference as _EagleReference
 
 # gpt2 has learned positions: the head's rotary is its own, so the target needs none
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "mixtral", "gpt2")

@@ -15,9 +15,9 @@ import warnings
 import pytest
 import torch
 
+from specfx.drafters.heads.checkpoint import HeadLayoutWarning, write_head
 from specfx.drafters.heads.eagle import Eagle
 from specfx.drafters.heads.eagle3 import Eagle3
-from specfx.drafters.heads.checkpoint import HeadLayoutWarning, write_head
 from specfx.drafters.heads.medusa import Medusa
 from specfx.testing.tiny import tiny_causal_lm
 from tests.conftest import prompt

@@ -22,7 +22,6 @@ import torch
 import specfx
 from specfx.testing.tiny import tiny_causal_lm
 from specfx.trees.types import TokenTree
-
 from tests.conftest import left_padded, tiered
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "mixtral")

@@ -1,0 +1,118 @@
+"""The decoder layer of an EAGLE-1/2 head, built from the target's own layer class.
+
+SafeAILab's EAGLE-1/2 head runs one decoder layer without its input norm (the fc output enters
+attention as is), with the target's rotary embedding. specfx builds that layer as a fresh layer 0
+of the target's own decoder-layer class, with the target's config sized by the head's
+``config.json`` where it says (:data:`LAYER_OVERRIDES`), or, for a head whose tensors are a dense
+Llama layer's where the target has experts (SafeAILab's Mixtral heads), as transformers'
+``LlamaDecoderLayer`` (:func:`dense_llama_layer`).
+"""
+
+from __future__ import annotations
+
+import copy
+
+from torch import nn
+
+from specfx.model.capture import decoder_layer_names
+from specfx.model.masks import layer_pattern, mask_plan
+
+__all__ = ["LAYER_OVERRIDES", "decoder_layer", "dense_llama_layer", "layer_type_and_pattern", "target_rotary"]
+
+# Checkpoint config keys that size the head's decoder layer where they differ from the
+# target's config (SafeAILab's config.json is a copy of the target's with num_hidden_layers=1).
+LAYER_OVERRIDES = (
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "rms_norm_eps",
+    "attention_bias",
+    "mlp_bias",
+)
+
+
+def target_rotary(model, owner: str):
+    """``model``'s rotary-embedding module (``model.base_model.rotary_emb``), which a head runs
+    its decoder layer with (rotary attention: positions are shared with the target). ValueError
+    when the target has none (learned or ALiBi positions)."""
+    rotary = getattr(model.base_model, "rotary_emb", None)
+    if not isinstance(rotary, nn.Module):
+        raise ValueError(
+            f"{owner}: the target {type(model).__name__} has no rotary position embedding "
+            f"(base_model.rotary_emb); EAGLE heads run a decoder layer with the target's rotary "
+            f"embedding, so they serve rotary-position targets only (Llama, Qwen, Mistral, Gemma, ...)."
+        )
+    return rotary
+
+
+def _target_layer(model, owner: str) -> nn.Module:
+    """``model``'s first decoder layer (found generically, :func:`specfx.model.capture.decoder_layer_names`)."""
+    try:
+        return model.get_submodule(decoder_layer_names(model)[0])
+    except ValueError as e:
+        raise ValueError(f"{owner}: {e} EAGLE heads reuse the target's decoder-layer class.") from None
+
+
+def _head_layer(cls, config, model, owner: str) -> nn.Module:
+    """``cls(config, 0)`` with its input norm replaced by identity (EAGLE's layer has none: the
+    fc output enters attention as is), checked to have the target's head size (it runs with the
+    target's rotary embedding)."""
+    name = cls.__name__
+    try:
+        layer = cls(config, 0)
+    except Exception as e:
+        raise ValueError(
+            f"{owner}: {type(model).__name__}'s decoder layer ({name}) cannot be built as {name}(config, "
+            f"layer_idx=0) ({type(e).__name__}: {e}); EAGLE heads need a target whose decoder layers are "
+            f"built that way (Llama, Qwen, Mistral, Gemma, Mixtral, ...)."
+        ) from e
+    if not isinstance(getattr(layer, "input_layernorm", None), nn.Module):
+        raise ValueError(
+            f"{owner}: {type(model).__name__}'s decoder layer ({name}) has no input_layernorm, which EAGLE's "
+            f"layer drops (its input is the fc output); this target's layers are not of that form."
+        )
+    layer.input_layernorm = nn.Identity()
+    head_dim = getattr(getattr(layer, "self_attn", None), "head_dim", None)
+    target_dim = getattr(getattr(_target_layer(model, owner), "self_attn", None), "head_dim", None)
+    if head_dim != target_dim:
+        raise ValueError(
+            f"{owner}: the head's attention has head_dim {head_dim} but the target's has {target_dim}; "
+            f"the head runs with the target's rotary embedding, so its heads must have the target's size."
+        )
+    return layer.eval()
+
+
+def decoder_layer(model, overrides: dict, owner: str) -> tuple[nn.Module, object]:
+    """A fresh layer 0 of ``model``'s own decoder-layer class, built with its config (sizes
+    overridden by ``overrides``), without its input norm. Returns ``(layer, config)``."""
+    config = copy.deepcopy(model.config.get_text_config())
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return _head_layer(type(_target_layer(model, owner)), config, model, owner), config
+
+
+def dense_llama_layer(model, overrides: dict, owner: str) -> tuple[nn.Module, object]:
+    """transformers' ``LlamaDecoderLayer`` sized like ``model`` (then ``overrides``), full
+    attention, without its input norm: the layer SafeAILab's EAGLE-1/2 code builds whatever
+    the target (its Mixtral heads are dense Llama layers). Returns ``(layer, config)``."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    text = model.config.get_text_config()
+    sizes = {k: getattr(text, k) for k in ("hidden_size", "vocab_size", "max_position_embeddings") + LAYER_OVERRIDES
+             if getattr(text, k, None) is not None}  # fmt: skip
+    config = LlamaConfig(**{**sizes, **overrides, "num_hidden_layers": 1})
+    config._attn_implementation = text._attn_implementation
+    return _head_layer(LlamaDecoderLayer, config, model, owner), config
+
+
+def layer_type_and_pattern(layer_config, owner: str):
+    """``(layer_type or None, mask pattern)`` of a head's layer 0 (layer 0's attention pattern,
+    e.g. Gemma2's sliding window)."""
+    layer_types = getattr(layer_config, "layer_types", None)
+    layer_type = layer_types[0] if layer_types else None
+    if layer_type is not None:
+        return layer_type, layer_pattern(layer_config, layer_type, owner)
+    return None, mask_plan(layer_config, owner).single

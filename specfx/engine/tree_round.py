@@ -20,7 +20,7 @@ more query tokens after the nodes, in scratch slots ``L + N + 1 .. L + N + E``, 
 positions and with the visibility among themselves the branch gives (each also sees the
 committed prefix). No node sees a branch token and no branch token sees a node, so the
 verification's logits are the same with or without it; the branch's logits go to
-:meth:`~specfx.drafters.base.Drafter.observe_branch`, and its KV is never committed.
+:meth:`~specfx.drafters.base.Branching.observe_branch`, and its KV is never committed.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ _STREAM_TREE_RESIDUAL = 1003
 def tree_round_step(target, drafter, state, shape: RoundShape, vocab: int):
     """One token-tree round for every row (see the module docstring). With a
     :class:`~specfx.trees.types.DynamicTree` the drafter also chooses each row's tree
-    (:meth:`~specfx.drafters.base.Drafter.propose_dynamic_tree`), and its tables replace the static
+    (:meth:`~specfx.drafters.base.DynamicTreeDrafting.propose_dynamic_tree`), and its tables replace the static
     ones for verification, the walk and compaction.
 
     ``shape`` (:class:`~specfx.engine.plan.RoundShape`) holds the tree, the Mode and whether

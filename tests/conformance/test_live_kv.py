@@ -133,7 +133,8 @@ def test_live_kv_must_be_a_bool_or_a_power_of_two(bad):
 def _drafters():
     """Drafters whose own forwards read KV (draft model, early exit, MTP, EAGLE, EAGLE-3) or
     read the target's hidden states through captured forwards (Medusa), and prompt lookup."""
-    from tests.unit.drafters.test_mtp import BUILT, MtpModel, mtp_target
+    from specfx.testing.mtp import BUILT, mtp_target
+    from tests.unit.drafters.test_mtp import MtpModel
 
     cases = {
         "early_exit": lambda t: "early_exit:1",

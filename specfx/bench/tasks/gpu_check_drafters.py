@@ -198,7 +198,7 @@ def section_drafters(results, deadline):
             if mtp_module.mtp_support() is None:
                 rec = dict(name="mtp", skipped="this transformers has no MtpModel")
             else:
-                from tests.unit.drafters.test_mtp import mtp_target
+                from specfx.testing.mtp import mtp_target
 
                 mt, layers = mtp_target("glm4_moe", 2)
                 mt = mt.to(SETTINGS.device)

@@ -60,7 +60,7 @@ def test_mtp_layers_of_a_bad_size_are_a_clear_error(monkeypatch):
     """MTP parsed its layers' patterns itself, with int(getattr(config, attr)): a window of
     None raised a raw TypeError at speculate() time."""
     from specfx.model.runner import ModelRunner
-    from tests.unit.drafters.test_mtp import BUILT, mtp_target
+    from specfx.testing.mtp import BUILT, mtp_target
 
     # Mellum's MTP layer is a sliding-window layer (transformers builds it from 5.20 on); the
     # config is patched to one either way
@@ -80,7 +80,7 @@ def test_kv_buffers_and_the_mtp_stash_are_marked_static(monkeypatch):
     monkeypatch.setattr(cache_module, "mark_static", lambda *ts: marked.extend(ts))
     monkeypatch.setattr(mtp_module, "mark_static", lambda *ts: marked.extend(ts))
     from specfx.model.runner import ModelRunner
-    from tests.unit.drafters.test_mtp import mtp_target
+    from specfx.testing.mtp import mtp_target
 
     target, layers = mtp_target("deepseek_v3", 1)
     spec = mtp_module.MTP(layers=layers)

@@ -273,7 +273,7 @@ def test_a_shape_missed_before_compiling_is_an_internal_error(one_thread):
 def test_compiled_mtp_round_does_not_recompile_for_another_prompt_length(one_thread):
     """The tapped forward of a new prompt bucket is captured eagerly (prefill runs eagerly);
     the compiled round graph, which inlined the round's own capture, is not traced again."""
-    from tests.unit.drafters.test_mtp import mtp_target
+    from specfx.testing.mtp import mtp_target
 
     target, layers = mtp_target("deepseek_v3", 1)
     spec = specfx.speculate(target, draft=specfx.MTP(layers=layers), num_speculative_tokens=2, backend="specfx_eager")

@@ -148,7 +148,9 @@ def find_gguf(gguf: str | Path | None = None, *, fetch: bool = True) -> Path:
     if explicit:
         path = Path(explicit).expanduser()
         if not path.is_file():
-            raise FileNotFoundError(f"the GGUF file {str(path)!r} (from {'gguf=' if gguf else GGUF_ENV}) does not exist.")
+            raise FileNotFoundError(
+                f"the GGUF file {str(path)!r} (from {'gguf=' if gguf else GGUF_ENV}) does not exist."
+            )
         return path
     installed = _installed_gguf()
     if installed is not None:

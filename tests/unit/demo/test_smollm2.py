@@ -92,7 +92,9 @@ def test_import_specfx_does_not_import_the_tool():
 
 
 def chat_ids(tokenizer, text: str) -> torch.Tensor:
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
     return tokenizer(rendered, return_tensors="pt").input_ids  # [1, S]
 
 

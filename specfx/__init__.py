@@ -7,14 +7,14 @@ Top-level API: :func:`speculate`, :class:`SpeculativeGenerator`, :class:`SpecCon
 torch.compile backend), :mod:`specfx.drafters`, :mod:`specfx.sampling.processors`.
 """
 
+from specfx.api import SpeculativeGenerator, speculate
 from specfx.config import MAX_SPECULATIVE_TOKENS, SpecConfig
 from specfx.drafters import Drafter, DraftModel
 from specfx.drafters.early_exit import EarlyExit
-from specfx.api import SpeculativeGenerator, speculate
-from specfx.drafters.lookahead import Lookahead
 from specfx.drafters.heads.eagle import Eagle
 from specfx.drafters.heads.eagle3 import Eagle3
 from specfx.drafters.heads.medusa import Medusa
+from specfx.drafters.lookahead import Lookahead
 from specfx.drafters.mtp import MTP
 from specfx.drafters.prompt_lookup import PromptLookup
 from specfx.engine.stats import SpecStats

@@ -42,9 +42,9 @@ from specfx.drafters.drafting import draft_chain
 from specfx.model.capture import CapturedForward, CaptureError, capture_forward, decoder_blocks
 from specfx.model.masks import TreeView
 from specfx.model.probe import PROBE_MIN_CAPACITY
+from specfx.model.runner import ModelRunner
 from specfx.passes.pipeline import capture_transform
 from specfx.passes.rewrites.early_exit import EarlyExitError, early_exit
-from specfx.model.runner import ModelRunner
 from specfx.trees.drafting import draft_levels, draft_tree, level_inputs, tree_view
 from specfx.trees.types import TokenTree
 

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, StoppingCriteriaList
 
+from specfx.request.criteria import stopping_criteria
+from specfx.request.inputs import check_ids, check_mask, infer_attention_mask
 from specfx.request.values import (
     as_length,
     as_min_length,
@@ -25,8 +27,6 @@ from specfx.request.values import (
     as_token_ids,
     check_logits_to_keep,
 )
-from specfx.request.criteria import stopping_criteria
-from specfx.request.inputs import check_ids, check_mask, infer_attention_mask
 from specfx.sampling.processors import SamplingParams
 
 __all__ = ["GenerateRequest", "resolve_generate_args"]

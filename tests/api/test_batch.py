@@ -4,7 +4,6 @@ import torch
 from transformers.generation.logits_process import LogitsProcessorList
 
 import specfx
-
 from tests.lossless.test_lossless import NEW, _chisquare, _exact, _models
 
 
@@ -40,7 +39,6 @@ def test_per_row_stats_add_up(one_thread):
 def test_finished_rows_padded_like_hf(one_thread):
     """A row that hits EOS early stays finished and is padded with pad_token_id as HF pads it."""
     from specfx.testing.tiny import perturbed_copy, tiny_causal_lm
-
     from tests.conftest import prompt
 
     target = tiny_causal_lm("llama", seed=5)

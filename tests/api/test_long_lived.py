@@ -11,7 +11,6 @@ import torch
 
 import specfx
 from specfx.testing.tiny import perturbed_copy, tiny_causal_lm
-
 from tests.conftest import left_padded, pair, prompt
 
 pytestmark = pytest.mark.usefixtures("one_thread")

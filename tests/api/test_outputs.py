@@ -13,11 +13,11 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.cache_utils import DynamicCache
 
 import specfx
+from specfx.engine.outputs import build_output_cache, step_tuples
+from specfx.model.architectures import ARCHITECTURES
 from specfx.model.cache import SlotCache
 from specfx.model.hf_names import cache_kwarg, output_cache, output_cache_field
-from specfx.model.architectures import ARCHITECTURES
 from specfx.testing.tiny import tiny_causal_lm
-from specfx.engine.outputs import build_output_cache, step_tuples
 from tests.conftest import left_padded, pair, prompt
 
 pytestmark = pytest.mark.usefixtures("one_thread")

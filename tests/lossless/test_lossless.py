@@ -25,10 +25,10 @@ from transformers.generation.logits_process import (
 )
 
 import specfx
-from specfx.engine import tree_round
 from specfx.drafters.base import Drafter, TreeDrafting
-from specfx.testing.tiny import perturbed_copy, tiny_causal_lm
+from specfx.engine import tree_round
 from specfx.sampling.rng import sample_from
+from specfx.testing.tiny import perturbed_copy, tiny_causal_lm
 from tests.conftest import tiered
 
 V = 6

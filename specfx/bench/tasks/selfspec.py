@@ -44,7 +44,6 @@ import time
 import torch
 
 from specfx.bench.counters import hf_forwards
-from specfx.model.capture import decoder_layer_names
 from specfx.bench.harness import (
     BASELINE,
     NO_EOS,
@@ -57,6 +56,7 @@ from specfx.bench.harness import (
     torch_threads,
 )
 from specfx.bench.stdlib_code import default_target, load_target, pick_functions, task_prompt
+from specfx.model.capture import decoder_layer_names
 
 __all__ = ["main", "parse_args", "random_mtp_checkpoint"]
 

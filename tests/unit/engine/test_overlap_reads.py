@@ -8,9 +8,8 @@ import torch
 
 import specfx
 from specfx.testing.tiny import perturbed_copy, tiny_causal_lm
-
-from tests.conftest import left_padded, prompt
 from tests.api.test_long_lived import _nan_model
+from tests.conftest import left_padded, prompt
 
 
 @pytest.fixture(scope="module")

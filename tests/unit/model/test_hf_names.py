@@ -23,9 +23,9 @@ from specfx.drafters.heads.eagle import Eagle
 from specfx.drafters.heads.eagle3 import Eagle3
 from specfx.drafters.heads.medusa import Medusa
 from specfx.model.hf_names import CACHE_KWARGS, cache_kwarg, output_cache, output_cache_field
+from specfx.testing.mtp import mtp_target
 from specfx.testing.tiny import tiny_causal_lm
 from tests.conftest import left_padded, pair
-from specfx.testing.mtp import mtp_target
 
 
 def _installed_name() -> str:

@@ -5,9 +5,8 @@ import pytest
 import torch
 
 import specfx
-from specfx.testing.tiny import perturbed_copy, tiny_causal_lm
 from specfx.testing.precision import check_greedy_agreement
-
+from specfx.testing.tiny import perturbed_copy, tiny_causal_lm
 from tests.conftest import left_padded, prompt
 
 

@@ -119,12 +119,17 @@ class SpeculativeGenerator:
             background = config.compile and config.backend == "specfx" and self.device.type == "cpu"
         self.graph_cache = GraphCache(config.backend, max_graphs, config.live_kv, owner=self, background=background)
         if background:
+            self.graph_cache.state_shape = SpeculativeGenerator._state_shape
             register_background(self)
         self.state_slots = StateSlots(config.min_capacity, self.vocab, self.plan.max_accepted)
         self._reads = OverlappedReads()
         self._lock = threading.RLock()
         self.stats = SpecStats()
         self.cumulative_stats = SpecStats()
+
+    def _state_shape(self) -> tuple[int, int] | None:
+        """(batch bucket, capacity) of the allocated state."""
+        return self.state_slots.shape
 
     @property
     def state(self) -> RoundState | None:

@@ -82,6 +82,8 @@ class GraphCache:
         self._lock = threading.RLock()
         self._wanted: set[tuple] = set()  # variants queued or compiling in the background
         self._failed: set[tuple] = set()  # variants whose background compile failed
+        # owner -> (batch bucket, capacity) of its allocated state; None: never reallocated
+        self.state_shape: Callable | None = None
         # Dynamo never frees a compiled code object's cache: release ours when the owner goes
         weakref.finalize(self if owner is None else owner, _release_all, self._codes)
 
@@ -203,7 +205,8 @@ class GraphCache:
 
         def job():
             owner = owner_ref()
-            if owner is None:
+            if owner is None or not self._current(owner, key):  # its state is gone: queued again when needed
+                self._forget(key)
                 return
             code = fresh_code(impl)
             compiled_fn = torch.compile(
@@ -213,10 +216,16 @@ class GraphCache:
             start = time.monotonic()
             try:
                 run_compile_only(compiled_fn, *args)
-            except Exception as e:  # the foreground compile of the next call raises it where it belongs
+            except Exception as e:
                 release_code(code.__code__)
+                if not self._current(owner, key):  # the state was reallocated under the trace
+                    self._forget(key)
+                    return
+                # the foreground compile of the next call raises it where it belongs
                 logger.warning("specfx: the background compile of %s failed (%s); it will compile in the foreground", key, e)
-                self._failed.add(key)
+                with self._lock:
+                    self._wanted.discard(key)
+                    self._failed.add(key)
                 return
             with self._lock:
                 if key not in self._wanted:  # dropped meanwhile (an outgrown bound, evicted)
@@ -231,6 +240,18 @@ class GraphCache:
         with self._lock:
             self._wanted.add(key)
         self.background.submit(key, job, first=True)
+
+    def _forget(self, key: tuple) -> None:
+        with self._lock:
+            self._wanted.discard(key)
+
+    def _current(self, owner, key: tuple) -> bool:
+        """Whether ``owner``'s allocated state is the one variant ``key`` is for (batch bucket
+        and capacity): a trace reads the state, and a generator holds one bucket's at a time."""
+        if self.state_shape is None:
+            return True
+        shape = self.state_shape(owner)
+        return shape is not None and tuple(shape) == tuple(key[1:3])
 
     def compiling(self) -> list[tuple]:
         """The variants queued or compiling in the background, the one compiling first."""

@@ -119,6 +119,20 @@ def test_a_variant_outgrown_while_queued_is_never_kept(target, one_thread):
     assert [e.key for e in spec.compile_events] == [long] and spec.graph_cache.keys() == [long]
 
 
+def test_a_variant_of_a_batch_bucket_no_longer_allocated_waits_for_its_next_call(target, one_thread):
+    spec = specfx.speculate(target, draft="prompt_lookup", num_speculative_tokens=2, backend="specfx_eager", background_compile=True)
+    pair = PROMPT.repeat(2, 1)
+    hold = Hold(spec)
+    spec.generate(pair, max_new_tokens=8)  # queues the batch-2 graph
+    spec.generate(PROMPT, max_new_tokens=8)  # reallocates for batch 1: the batch-2 graph cannot be traced now
+    hold.release.set()
+    assert spec.wait_for_graphs(timeout=120)
+    assert {e.key[1] for e in spec.compile_events} == {1}  # skipped, not failed
+    assert torch.equal(spec.generate(pair, max_new_tokens=8), target.generate(pair, max_new_tokens=8))
+    assert spec.wait_for_graphs(timeout=120)
+    assert {e.key[1] for e in spec.compile_events} == {1, 2} and all(e.background for e in spec.compile_events)
+
+
 def test_a_failed_background_compile_raises_at_the_next_call(target, one_thread):
     def broken(gm, example_inputs):
         raise RuntimeError("no compiler here")

@@ -1,13 +1,13 @@
 """specfx: speculative decoding for any Hugging Face causal LM, one compiled graph per round.
 
-Top-level API: :func:`speculate`, :class:`SpeculativeGenerator`, :class:`SpecConfig`,
+Top-level API: :func:`speculate`, :class:`SpeculativeGenerator`, :func:`wait_for_graphs`, :class:`SpecConfig`,
 :class:`SpecStats`, :class:`TokenTree`, :class:`PromptLookup`, :class:`Lookahead`, :class:`EarlyExit`,
 :class:`MTP`, and heads that read the target's hidden states: :class:`Medusa`, :class:`Eagle`
 (EAGLE-1/2), :class:`Eagle3`. Building blocks: :mod:`specfx.passes` (FX passes and the ``specfx``
 torch.compile backend), :mod:`specfx.drafters`, :mod:`specfx.sampling.processors`.
 """
 
-from specfx.api import SpeculativeGenerator, speculate
+from specfx.api import SpeculativeGenerator, speculate, wait_for_graphs
 from specfx.config import MAX_SPECULATIVE_TOKENS, SpecConfig
 from specfx.drafters import Drafter, DraftModel
 from specfx.drafters.early_exit import EarlyExit
@@ -26,6 +26,7 @@ __all__ = [
     # top-level API
     "speculate",
     "SpeculativeGenerator",
+    "wait_for_graphs",
     "SpecConfig",
     "SpecStats",
     "TokenTree",

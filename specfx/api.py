@@ -6,7 +6,6 @@ compiled rounds. Each job the loop needs is an object of :mod:`specfx.engine`: p
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -14,11 +13,12 @@ import types
 from collections.abc import Callable
 
 import torch
-from transformers.utils import logging as hf_logging
 
 from specfx.config import SpecConfig
 from specfx.drafters.registry import resolve_drafter
 from specfx.engine.auto_k import AutoK, RoundTimer
+from specfx.engine.auto_times import auto_k_times
+from specfx.engine.background import register_background, wait_for_graphs
 from specfx.engine.chain_round import RoundState, prefill_step, round_step
 from specfx.engine.graphs import CompileEvent, GraphCache, quarter_octave
 from specfx.engine.host import OverlappedReads, finish, make_replay, overlap_reads, read_stats, sync_finished
@@ -32,7 +32,7 @@ from specfx.passes.backend import GraphRecord
 from specfx.request.args import resolve_generate_args
 from specfx.sampling.processors import GREEDY, Mode, as_mode
 
-__all__ = ["CompileEvent", "SpeculativeGenerator", "quarter_octave", "speculate"]  # the last two re-exported
+__all__ = ["CompileEvent", "SpeculativeGenerator", "quarter_octave", "speculate", "wait_for_graphs"]  # the last three re-exported
 
 logger = logging.getLogger(__name__)
 
@@ -110,15 +110,26 @@ class SpeculativeGenerator:
         self.k = self.plan.scratch_slots
         self.vocab = self.target_runner.vocab_size
         self._last_mode = GREEDY  # the last call's graph mode (round_fn's default)
+        self._last_collect = False  # whether the last call collected scores (its graphs' variant)
         self._shapes: dict[tuple, RoundShape] = {}  # (K, mode, collect) -> the one object passed to its graph
         # compiled graphs kept (SpecConfig.max_graphs; None: 16 per K a round may use)
         max_graphs = config.max_graphs or 16 * len(self.plan.shapes)
-        self.graph_cache = GraphCache(config.backend, max_graphs, config.live_kv, owner=self)
+        background = config.background_compile
+        if background is None:  # decision 67: where a compile costs minutes and is measured
+            background = config.compile and config.backend == "specfx" and self.device.type == "cpu"
+        self.graph_cache = GraphCache(config.backend, max_graphs, config.live_kv, owner=self, background=background)
+        if background:
+            self.graph_cache.state_shape = SpeculativeGenerator._state_shape
+            register_background(self)
         self.state_slots = StateSlots(config.min_capacity, self.vocab, self.plan.max_accepted)
         self._reads = OverlappedReads()
         self._lock = threading.RLock()
         self.stats = SpecStats()
         self.cumulative_stats = SpecStats()
+
+    def _state_shape(self) -> tuple[int, int] | None:
+        """(batch bucket, capacity) of the allocated state."""
+        return self.state_slots.shape
 
     @property
     def state(self) -> RoundState | None:
@@ -212,15 +223,37 @@ class SpeculativeGenerator:
         up by :meth:`specfx.engine.graphs.GraphCache.live_bound`."""
         return self.graph_cache.live_bound(prompt_width + max_new_tokens + self.k + 2, self.state_slots.shape[1])
 
-    def _variant(self, kind: str, shape: RoundShape, bucket: int | None = None) -> Callable:
+    def _variant(self, kind: str, shape: RoundShape, bucket: int | None = None, *, now: bool = False) -> Callable:
         """The callable for one graph variant (a round of ``shape``, or the prefill of prompt
-        ``bucket`` in ``shape``'s mode): eager, or compiled on first use (:class:`GraphCache`)."""
+        ``bucket`` in ``shape``'s mode): eager, or compiled on first use (:class:`GraphCache`).
+        Compiling in the background (decision 67), a round not compiled yet runs eagerly while
+        it compiles, unless ``now`` (compile it here, or wait for the compile under way)."""
         impl = SpeculativeGenerator._round_impl if kind == "round" else SpeculativeGenerator._prefill_impl
+        eager = types.MethodType(impl, self)
         if not (self.spec_config.compile and (kind == "round" or self.spec_config.compile_prefill)):
-            return types.MethodType(impl, self)
+            return eager
         self._prepare_taps(shape, bucket)
         what = shape.graph_id if kind == "round" else (bucket, shape.mode, shape.collect)
-        return self.graph_cache.variant(self.graph_key(kind, *what), impl, self)
+        args = (shape,) if kind == "round" and not now else None
+        fn = self.graph_cache.variant(self.graph_key(kind, *what), impl, self, args)
+        return eager if fn is None else fn
+
+    def wait_for_graphs(self, timeout: float | None = None) -> bool:
+        """Wait until the round graphs compiling in the background (``SpecConfig.background_compile``,
+        decision 67) are ready; False if ``timeout`` seconds passed first. With "auto", the last
+        call's graphs are then timed (as the next call would). Benchmarks call it after a
+        warm-up so that the timed calls run compiled graphs only."""
+        if not self.graph_cache.wait(timeout):
+            return False
+        if self.auto_k is not None and self.state is not None:  # time them now, not in the next call
+            with self._lock, torch.inference_mode(False), torch.no_grad():
+                self._auto_k_times(self._last_mode, self._last_collect)
+        return True
+
+    @property
+    def compiling(self) -> list[tuple]:
+        """The graph variants queued or compiling in the background (the one compiling first)."""
+        return self.graph_cache.compiling()
 
     def _prepare_taps(self, shape: RoundShape, bucket: int | None) -> None:
         """Capture the target's tapped forward for the shape this graph calls it with (the
@@ -248,7 +281,7 @@ class SpeculativeGenerator:
             # the modes generate() runs in: grad mode is part of the graph's guards, so a round
             # called under another mode would recompile instead of replaying the graph
             with self._lock, torch.inference_mode(False), torch.no_grad():
-                return self._variant("round", shape)(shape)
+                return self._variant("round", shape, now=True)(shape)
 
         return one_round
 
@@ -312,7 +345,8 @@ class SpeculativeGenerator:
         collect = req.return_dict_in_generate and (req.output_scores or req.output_logits)
         steps = [] if collect else None  # per round: (scores, logits [B, T, V], n_emitted [B])
 
-        mode = self._last_mode = req.sampling.mode()  # the graph variant: greedy/sampling and the stages in use
+        mode = self._last_mode = req.sampling.mode()
+        self._last_collect = collect  # the graph variant: greedy/sampling and the stages in use
         if self.auto_k is not None:
             self.auto_k.reset(self._auto_k_times(mode, collect))
         replay = make_replay(req, collect)
@@ -390,29 +424,5 @@ class SpeculativeGenerator:
             self.state.finished[rows] = True
 
     def _auto_k_times(self, mode: Mode, collect: bool) -> dict[int, float] | None:
-        """Round times of every candidate K (0 and ``auto_k_values``) for this call's graph
-        shape, for "auto" (:mod:`specfx.engine.auto_k`): given (``auto_k_times``, ``auto_k_cost``:
-        None, the policy has them), remembered, or timed now (:class:`RoundTimer`). Timing runs
-        each round graph (compiling it first) on the allocated state with every row finished,
-        so the rounds change nothing a generation reads: prefill then rewrites the tokens,
-        counters, caches and drafter state they touched."""
-        config = self.spec_config
-        if config.auto_k_times is not None or config.auto_k_cost is not None:
-            return None
-        # one timing per batch bucket, capacity and mode: a call that only raises the live-KV
-        # bound (decision 45) reuses it, and compiles only the Ks it then chooses
-        key = (*self.state_slots.shape, mode, collect)
-        rounds = {}
-        if key not in self.round_timer.times_by_shape:
-            self.state.finished.fill_(True)
-            self.state.lengths.copy_(self.state.prompt_lengths)  # this call's rows (each >= 1), as prefill leaves them
-            shapes = {k: self.round_shape(k, mode, collect) for k in self.plan.shapes}  # 0, then auto_k_values
-            fns = {k: self._variant("round", shape) for k, shape in shapes.items()}
-            new = [k for k in shapes if getattr(fns[k], "uncompiled", False)]
-            if config.compile and new:  # a wait of minutes on a CPU: say what it is, with progress
-                logger.info("specfx: 'auto' compiles and times a round graph per K in %s (once per shape)", tuple(shapes))
-                for k in hf_logging.tqdm(new, desc="specfx: compiling the round graph of each K ('auto')", unit="graph"):
-                    fns[k](shapes[k])
-            rounds = {k: functools.partial(fns[k], shapes[k]) for k in shapes}
-        sync = functools.partial(torch.cuda.synchronize, self.device) if self.device.type == "cuda" else None
-        return self.round_timer.times(key, rounds, sync)
+        """The round times "auto" uses this call (:func:`specfx.engine.auto_times.auto_k_times`)."""
+        return auto_k_times(self, mode, collect)

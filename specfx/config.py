@@ -68,6 +68,11 @@ class SpecConfig:
         tree: a token tree (:class:`specfx.TokenTree`, or a list of nodes such as
             ``[(0,), (1,), (0, 0)]``) verified every round instead of a chain; it replaces
             ``num_speculative_tokens`` (a tree that is a chain of K is exactly K). None: a chain.
+        background_compile: compile round graphs on a worker thread while the rounds run
+            eagerly (the same code: the same tokens), switching to each graph once it is ready,
+            so no call waits minutes for a compile (decision 67; ``spec.wait_for_graphs()``
+            waits for them). None (default): on with the "specfx" backend (Inductor) on a CPU,
+            off elsewhere (on CUDA it is not measured yet). True/False force it (any backend).
     """
 
     num_speculative_tokens: int | str | None = None
@@ -84,6 +89,7 @@ class SpecConfig:
     max_graphs: int | None = None
     live_kv: bool | int = True
     tree: Any = None
+    background_compile: bool | None = None
 
     def __post_init__(self):
         if self.tree is not None:
@@ -144,6 +150,8 @@ class SpecConfig:
             raise ValueError(f"rounds_per_sync must be an int >= 1, got {r!r}.")
         if not (self.overlap_reads is None or isinstance(self.overlap_reads, bool)):
             raise ValueError(f"overlap_reads must be None, True or False, got {self.overlap_reads!r}.")
+        if not (self.background_compile is None or isinstance(self.background_compile, bool)):
+            raise ValueError(f"background_compile must be None, True or False, got {self.background_compile!r}.")
         b = self.prefill_buckets
         if not b or any(not isinstance(x, int) or x < 1 for x in b) or list(b) != sorted(set(b)):
             raise ValueError(f"prefill_buckets must be increasing positive ints, got {b!r}.")

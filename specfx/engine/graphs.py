@@ -11,6 +11,7 @@ in an LRU of ``max_graphs`` entries; evicting one releases what Dynamo compiled 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import types
 import weakref
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specfx.engine.background import BackgroundCompiler, compile_only, run_compile_only
 from specfx.model.dynamo import fresh_code, release_code
 from specfx.passes.backend import GraphRecords, make_backend
 from specfx.passes.rewrites.live_kv import LiveKV
@@ -35,10 +37,11 @@ LIVE_BACKENDS = ("specfx", "specfx_eager")
 @dataclass
 class CompileEvent:
     """One graph variant compiled by a generator: its key and the wall time of its first call
-    (tracing, the passes, Inductor, plus one run)."""
+    (tracing, the passes, Inductor, plus one run; in the background: without the run)."""
 
     key: tuple
     seconds: float
+    background: bool = False
 
 
 def quarter_octave(needed: int, smallest: int) -> int:
@@ -64,7 +67,7 @@ class GraphCache:
     and :meth:`code` (a variant's private code object, whose Dynamo cache holds its graph).
     """
 
-    def __init__(self, backend, max_graphs: int, live_kv: bool | int, owner=None):
+    def __init__(self, backend, max_graphs: int, live_kv: bool | int, owner=None, background: bool = False):
         self.records = GraphRecords()
         self.backend_name = backend if isinstance(backend, str) else None
         self.backend = make_backend(backend, self.records) if isinstance(backend, str) else backend
@@ -74,6 +77,13 @@ class GraphCache:
         self._variants: OrderedDict[tuple, Callable] = OrderedDict()  # key -> compiled fn (LRU)
         self._codes: dict[tuple, types.CodeType] = {}  # key -> its private code object
         self._live: tuple[int, int] | None = None  # (capacity, live-KV bound); None: no call yet
+        # compiling in the background (decision 67): the worker, and the lock it and the host share
+        self.background = BackgroundCompiler() if background else None
+        self._lock = threading.RLock()
+        self._wanted: set[tuple] = set()  # variants queued or compiling in the background
+        self._failed: set[tuple] = set()  # variants whose background compile failed
+        # owner -> (batch bucket, capacity) of its allocated state; None: never reallocated
+        self.state_shape: Callable | None = None
         # Dynamo never frees a compiled code object's cache: release ours when the owner goes
         weakref.finalize(self if owner is None else owner, _release_all, self._codes)
 
@@ -124,21 +134,47 @@ class GraphCache:
         """The variant a compiled graph serves: ``(kind, batch bucket, capacity, *what, live)``."""
         return (kind, rows, capacity, *what, self.live_slots(capacity))
 
-    def variant(self, key: tuple, impl: Callable, owner) -> Callable:
-        """The compiled callable of variant ``key``: ``impl`` (a function of ``owner`` and the
-        graph's arguments) compiled on first use, or the one kept (now most recently used)."""
-        fn = self._variants.get(key)
-        if fn is not None:
-            self._variants.move_to_end(key)
+    def _compiler(self, key: tuple) -> Callable:
+        """The backend variant ``key`` compiles with (its live-KV cut, decision 45)."""
+        capacity, live = key[2], key[-1]
+        if live < capacity and self.backend_name in LIVE_BACKENDS:
+            return make_backend(self.backend_name, self.records, live=LiveKV(capacity, live))
+        return self.backend
+
+    def ready(self, key: tuple) -> Callable | None:
+        """The compiled callable of variant ``key`` if it is compiled (now most recently used)."""
+        with self._lock:
+            fn = self._variants.get(key)
+            if fn is not None:
+                self._variants.move_to_end(key)
             return fn
+
+    def variant(self, key: tuple, impl: Callable, owner, args: tuple | None = None) -> Callable | None:
+        """The compiled callable of variant ``key``: ``impl`` (a function of ``owner`` and the
+        graph's arguments) compiled on first use, or the one kept (now most recently used).
+
+        With a background compiler and ``args`` (the arguments of the graph's next call): None
+        while the variant is not compiled yet; it is queued (first in line: the caller needs it
+        next) and compiles on the worker, and the caller runs ``impl`` eagerly meanwhile."""
+        fn = self.ready(key)
+        if fn is not None:
+            return fn
+        if self.background is not None and args is not None and key not in self._failed:
+            self._submit(key, impl, owner, args)
+            return None
+        if self.background is not None and self.background.busy(key):
+            self.background.wait(key)  # a compile already under way: wait for it, do not start another
+            fn = self.ready(key)
+            if fn is not None:
+                return fn
+        return self._foreground(key, impl, owner)
+
+    def _foreground(self, key: tuple, impl: Callable, owner) -> Callable:
+        """Compile variant ``key`` on its first call, in the caller's thread."""
         code = fresh_code(impl)
         self._codes[key] = code.__code__
         bound = types.MethodType(code, owner)
-        backend = self.backend
-        capacity, live = key[2], key[-1]
-        if live < capacity and self.backend_name in LIVE_BACKENDS:
-            backend = make_backend(self.backend_name, self.records, live=LiveKV(capacity, live))
-        compiled_fn = torch.compile(bound, backend=backend, fullgraph=True, dynamic=False)
+        compiled_fn = torch.compile(bound, backend=self._compiler(key), fullgraph=True, dynamic=False)
 
         def first_call(*args):
             # the host loop may call this object several times (rounds_per_sync > 1)
@@ -158,21 +194,94 @@ class GraphCache:
             return result
 
         first_call.uncompiled = True  # until its first call returns
-        self._variants[key] = first_call
+        with self._lock:
+            self._variants[key] = first_call
+            self._evict()
+        return first_call
+
+    def _submit(self, key: tuple, impl: Callable, owner, args: tuple) -> None:
+        """Queue variant ``key`` on the background compiler, first in line."""
+        owner_ref = weakref.ref(owner)
+
+        def job():
+            owner = owner_ref()
+            if owner is None or not self._current(owner, key):  # its state is gone: queued again when needed
+                self._forget(key)
+                return
+            code = fresh_code(impl)
+            compiled_fn = torch.compile(
+                types.MethodType(code, owner), backend=compile_only(self._compiler(key)), fullgraph=True, dynamic=False
+            )
+            logger.info("specfx: compiling the %s graph for %s in the background", key[0], key[1:])
+            start = time.monotonic()
+            try:
+                run_compile_only(compiled_fn, *args)
+            except Exception as e:
+                release_code(code.__code__)
+                if not self._current(owner, key):  # the state was reallocated under the trace
+                    self._forget(key)
+                    return
+                # the foreground compile of the next call raises it where it belongs
+                logger.warning("specfx: the background compile of %s failed (%s); it will compile in the foreground", key, e)
+                with self._lock:
+                    self._wanted.discard(key)
+                    self._failed.add(key)
+                return
+            with self._lock:
+                if key not in self._wanted:  # dropped meanwhile (an outgrown bound, evicted)
+                    release_code(code.__code__)
+                    return
+                self._wanted.discard(key)
+                self._codes[key] = code.__code__
+                self._variants[key] = compiled_fn
+                self.compile_events.append(CompileEvent(key, time.monotonic() - start, background=True))
+                self._evict()
+
+        with self._lock:
+            self._wanted.add(key)
+        self.background.submit(key, job, first=True)
+
+    def _forget(self, key: tuple) -> None:
+        with self._lock:
+            self._wanted.discard(key)
+
+    def _current(self, owner, key: tuple) -> bool:
+        """Whether ``owner``'s allocated state is the one variant ``key`` is for (batch bucket
+        and capacity): a trace reads the state, and a generator holds one bucket's at a time."""
+        if self.state_shape is None:
+            return True
+        shape = self.state_shape(owner)
+        return shape is not None and tuple(shape) == tuple(key[1:3])
+
+    def compiling(self) -> list[tuple]:
+        """The variants queued or compiling in the background, the one compiling first."""
+        return self.background.pending() if self.background is not None else []
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for every background compile; False if ``timeout`` s passed first."""
+        return True if self.background is None else self.background.wait(None, timeout)
+
+    def _evict(self) -> None:
         while len(self._variants) > self.max_graphs:
             evicted = next(iter(self._variants))
             logger.info("specfx: evicting the compiled graph for %s (max_graphs=%d)", evicted, self.max_graphs)
             self.drop(evicted)
-        return first_call
 
     def drop(self, key: tuple) -> None:
-        """Forget a variant and free what Dynamo compiled for it."""
-        self._variants.pop(key, None)
-        code = self._codes.pop(key, None)
+        """Forget a variant and free what Dynamo compiled for it (one queued is cancelled)."""
+        with self._lock:
+            self._variants.pop(key, None)
+            self._wanted.discard(key)
+            self._failed.discard(key)
+            code = self._codes.pop(key, None)
+        if self.background is not None:
+            self.background.cancel(key)
         if code is not None:
             release_code(code)
 
     def drop_where(self, outgrown: Callable[[tuple], bool]) -> None:
-        """Drop every variant whose key ``outgrown`` says no call will use again."""
-        for key in [k for k in self._variants if outgrown(k)]:
+        """Drop every variant (kept or queued) whose key ``outgrown`` says no call will use again."""
+        with self._lock:
+            keys = [k for k in (*self._variants, *self._wanted) if outgrown(k)]
+        for key in keys:
             self.drop(key)

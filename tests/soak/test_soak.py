@@ -61,6 +61,8 @@ def test_long_lived_generator_serves_a_mixed_workload(soak):
     assert torch.equal(spec.generate(ids, max_new_tokens=new), target.generate(ids, max_new_tokens=new))
     for call, (batch, mode) in enumerate(CLASSES):
         _check(call, target, spec, eager, batch, mode, rng)
+    assert spec.wait_for_graphs(timeout=1800)  # the default compiles in the background (decision 67)
+    assert all(e.background for e in spec.compile_events)  # no call waited for a compile
     compiled = len(spec.compile_events)
     # the policy: one round graph per batch bucket and graph mode at the current capacity and
     # live-KV bound (both only grow: 100 + 156 + K + 2 = 261 tokens -> 512 slots, 320 read). The

@@ -36,7 +36,7 @@ def _oracle_run(alpha, ids, new, mask=None, backend=None):
     target = pair("llama", "self")[0]
     reference = greedy_continuation(target, ids, mask, new_tokens=new + K + 1)
     oracle = OracleDrafter(alpha, reference)
-    options = dict(compile=False) if backend is None else dict(compile=True, backend=backend, compile_prefill=True)
+    options = dict(compile=False) if backend is None else dict(compile=True, backend=backend, compile_prefill=True, background_compile=False)
     spec = specfx.speculate(target, draft=oracle, num_speculative_tokens=K, **options)
     out = spec.generate(ids, attention_mask=mask, max_new_tokens=new, eos_token_id=None, pad_token_id=0)
     expected = target.generate(ids, attention_mask=mask, max_new_tokens=new, eos_token_id=None, pad_token_id=0)

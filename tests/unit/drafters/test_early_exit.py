@@ -203,7 +203,7 @@ def test_early_exit_constructor_type_errors():
 @pytest.mark.compiled
 def test_compiled_greedy_equals_generate_and_stays_warm(one_thread):
     target = tiny_causal_lm("llama", num_layers=2, seed=11)
-    spec = specfx.speculate(target, draft="early_exit:1", num_speculative_tokens=2, compile=True, compile_prefill=True)
+    spec = specfx.speculate(target, draft="early_exit:1", num_speculative_tokens=2, compile=True, compile_prefill=True, background_compile=False)
     ids = prompt(8, batch=2, seed=1)
     assert torch.equal(spec.generate(ids, max_new_tokens=12), target.generate(ids, max_new_tokens=12))
     graphs = len(spec.graphs)

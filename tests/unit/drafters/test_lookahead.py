@@ -284,7 +284,7 @@ def test_compiled_lookahead_round(one_thread):
     compiles nothing: one graph) and on a left-padded batch of 2 (its own batch bucket: one
     more graph), no host-sync ops in either, guesses accepted."""
     target, _ = _models()
-    spec = specfx.speculate(target, draft=Lookahead(window=4, ngram=3, guesses=2), compile=True)
+    spec = specfx.speculate(target, draft=Lookahead(window=4, ngram=3, guesses=2), compile=True, background_compile=False)
     kw = dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
     for prompt_ids in ([1, 4, 2, 1, 4], [3, 3, 5, 1, 2, 1]):
         ids = torch.tensor([prompt_ids])

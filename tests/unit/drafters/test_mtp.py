@@ -255,7 +255,7 @@ def test_tree_is_refused_mtp_drafts_a_chain(one_thread):
 @pytest.mark.compiled
 def test_compiled_greedy_equals_generate_and_stays_warm(one_thread):
     target, layers = mtp_target("deepseek_v3", 1)
-    spec = specfx.speculate(target, draft=specfx.MTP(layers=layers), num_speculative_tokens=2, compile=True, compile_prefill=True)
+    spec = specfx.speculate(target, draft=specfx.MTP(layers=layers), num_speculative_tokens=2, compile=True, compile_prefill=True, background_compile=False)
     ids = prompt(6, batch=2, seed=1)
     assert torch.equal(spec.generate(ids, max_new_tokens=12), target.generate(ids, max_new_tokens=12))
     assert len(spec.graphs) == 2  # one prefill graph, one round graph (fullgraph: no breaks)

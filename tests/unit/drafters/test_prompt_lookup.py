@@ -228,7 +228,7 @@ def test_compiled_prompt_lookup_round(one_thread):
     """One Inductor-compiled generator: greedy equality, one round graph and one prefill graph,
     no host-sync ops, and a warm call with another prompt compiles nothing."""
     target = _copying("llama")
-    spec = specfx.speculate(target, num_speculative_tokens=4, compile=True, compile_prefill=True)
+    spec = specfx.speculate(target, num_speculative_tokens=4, compile=True, compile_prefill=True, background_compile=False)
     for seed in (0, 1):
         ids = _repeating_prompt(seed, length=14)
         assert torch.equal(spec.generate(ids, max_new_tokens=24), target.generate(ids, max_new_tokens=24))

@@ -408,7 +408,7 @@ def test_compiled_one_graph_and_stays_warm(mode, tmp_path_factory, one_thread):
     # passes only (specfx_eager), to keep CI short: tests/unit/drafters/heads/test_heads_compiled.py says how
     # to run every head and shape under Inductor
     backend = "specfx" if mode == "dynamic" else "specfx_eager"
-    spec = specfx.speculate(target, draft=Eagle(directory), compile=True, compile_prefill=True, backend=backend, **MODES[mode])
+    spec = specfx.speculate(target, draft=Eagle(directory), compile=True, compile_prefill=True, backend=backend, background_compile=False, **MODES[mode])
     ids = prompt(6, batch=2, seed=1)
     assert torch.equal(spec.generate(ids, max_new_tokens=12), target.generate(ids, max_new_tokens=12))
     assert len(spec.graphs) == 2  # one prefill graph, one round graph (fullgraph: no breaks)

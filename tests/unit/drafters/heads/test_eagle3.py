@@ -316,7 +316,7 @@ def test_a_trained_head_is_accepted_at_depth_two(tmp_path, one_thread):
 def test_compiled_round_is_one_graph_and_stays_warm(shape, head_dir, one_thread):
     target = _target("llama")
     backend = "specfx" if shape == "tree" else "specfx_eager"  # Inductor once per head type in CI
-    spec = specfx.speculate(target, draft=f"eagle3:{head_dir('llama')}", compile=True, backend=backend, **SHAPES[shape])
+    spec = specfx.speculate(target, draft=f"eagle3:{head_dir('llama')}", compile=True, backend=backend, background_compile=False, **SHAPES[shape])
     ids, mask = left_padded(10, (0, 3), seed=7)
     _assert_greedy_equal(target, spec, ids, mask, new=16)
     assert [e.key[0] for e in spec.compile_events] == ["round"]

@@ -313,7 +313,7 @@ def test_compiled_greedy_equals_hf(tmp_path, one_thread):
     target = _target("llama")
     cases = [left_padded(10, [2, 0], seed=5), left_padded(13, [3, 0], seed=6)]
     path = _fitted(target, _sequences(target, cases, new=20), tmp_path / "heads")
-    for shape in (dict(num_speculative_tokens=3, backend="specfx_eager"), dict(tree=TREE)):
+    for shape in (dict(num_speculative_tokens=3, backend="specfx_eager"), dict(tree=TREE, background_compile=False)):
         spec = specfx.speculate(target, draft=f"medusa:{path}", **shape)
         _check_greedy(spec, target, *cases[0], new=20)
         n = len(spec.graphs)

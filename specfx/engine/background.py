@@ -1,0 +1,195 @@
+"""Compiling round graphs in the background while the rounds run eagerly (decision 67).
+
+Compiling one round graph of a 30-layer model takes 40-80 s on a small CPU (Inductor's
+scheduling, code generation and the C++ compiler; Dynamo's trace is ~3 s of it). Done in the
+foreground, "auto" made the first ``generate()`` wait minutes before its first token, and a call
+that outgrew the buffers waited as long again. Instead, a variant that is not compiled yet is
+queued here and the round runs as plain PyTorch (the same code, eagerly: the same tokens), until
+the compiled graph is ready; the next window then uses it.
+
+How a graph is compiled without running it: Dynamo compiles a function on its first call and
+then runs it. The worker makes that first call with the real arguments, but the compiled graph
+it gets back is wrapped (:class:`CompileOnly`): called from the worker, it raises
+:class:`NotRun` before touching any tensor, so the call compiles (the trace reads only the
+tensors' metadata, never their values) and changes nothing; Dynamo keeps the compiled entry in
+the variant's private code cache, and the generator's next call of it, from its own thread,
+finds it there and runs it. A guard that no longer holds by then (the state was reallocated
+meanwhile) makes Dynamo compile again in the foreground: slower, never wrong.
+
+One worker thread per generator, started when something is queued and ended when the queue is
+empty; a daemon (an exiting program does not wait for a compile). It runs the compile under the
+modes every call of the generator runs in (``no_grad``, outside inference mode: grad mode is
+part of the graphs' guards). The variant the host loop asks for next goes to the front of the
+queue. Only round graphs compile here: prefill graphs (``compile_prefill``) and callers that
+need the graph now (``round_fn()``, the "auto" timing) compile in the foreground, waiting for a
+compile already under way rather than starting a second one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+
+import torch
+
+__all__ = [
+    "PROVISIONAL_COST",
+    "BackgroundCompiler",
+    "CompileOnly",
+    "NotRun",
+    "provisional_times",
+    "register_background",
+    "wait_for_graphs",
+]
+
+logger = logging.getLogger(__name__)
+
+PROVISIONAL_COST = 0.1  # t(K) = 1 + 0.1 K while nothing of the batch bucket and mode is measured
+
+_worker = threading.local()  # .compiling: this thread is the worker making a compile-only call
+
+
+class NotRun(Exception):  # noqa: N818 (a signal, not an error)
+    """Raised by a :class:`CompileOnly` graph called from the worker: compiled, not run."""
+
+
+class CompileOnly:
+    """A compiled graph that the background worker's call does not run (it raises
+    :class:`NotRun`); every other call runs it. Keeps Dynamo's calling convention (``_boxed_call``)."""
+
+    def __init__(self, graph: Callable):
+        self.graph = graph
+        if getattr(graph, "_boxed_call", False):
+            self._boxed_call = True
+
+    def __call__(self, *args):
+        if getattr(_worker, "compiling", False):
+            raise NotRun
+        return self.graph(*args)
+
+
+def compile_only(backend: Callable) -> Callable:
+    """``backend`` whose graphs are :class:`CompileOnly`."""
+
+    def wrapped(gm, example_inputs):
+        return CompileOnly(backend(gm, example_inputs))
+
+    wrapped.__name__ = getattr(backend, "__name__", "backend")
+    return wrapped
+
+
+def run_compile_only(compiled_fn: Callable, *args) -> None:
+    """Make the first (compiling) call of ``compiled_fn`` without running its graph."""
+    _worker.compiling = True
+    try:
+        with torch.inference_mode(False), torch.no_grad():
+            compiled_fn(*args)
+    except NotRun:
+        return
+    finally:
+        _worker.compiling = False
+    raise RuntimeError("specfx: the background compile ran the graph instead of only compiling it")
+
+
+class BackgroundCompiler:
+    """A queue of compile jobs (``key -> job()``) run one at a time on a worker thread."""
+
+    def __init__(self, name: str = "specfx-compile"):
+        self.name = name
+        self._cond = threading.Condition()
+        self._queue: OrderedDict[Hashable, Callable[[], None]] = OrderedDict()
+        self._running: Hashable | None = None  # the key being compiled now
+        self._thread: threading.Thread | None = None
+
+    def submit(self, key: Hashable, job: Callable[[], None], *, first: bool = False) -> None:
+        """Queue ``job`` under ``key`` (once; ``first``: move it to the front of the queue)."""
+        with self._cond:
+            if key == self._running:
+                return
+            if key not in self._queue:
+                self._queue[key] = job
+            if first:
+                self._queue.move_to_end(key, last=False)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name=self.name, daemon=True)
+                self._thread.start()
+
+    def cancel(self, key: Hashable) -> None:
+        """Forget ``key`` if it has not started (a started compile finishes; its caller drops it)."""
+        with self._cond:
+            self._queue.pop(key, None)
+
+    def pending(self) -> list:
+        """Keys queued or compiling, the one compiling first."""
+        with self._cond:
+            return ([self._running] if self._running is not None else []) + list(self._queue)
+
+    def busy(self, key: Hashable | None = None) -> bool:
+        """Whether ``key`` (None: anything) is queued or compiling."""
+        with self._cond:
+            if key is None:
+                return self._running is not None or bool(self._queue)
+            return key == self._running or key in self._queue
+
+    def wait(self, key: Hashable | None = None, timeout: float | None = None) -> bool:
+        """Wait until ``key`` (None: every job) is done; False if ``timeout`` s passed first."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: not (self._running is not None or self._queue if key is None else key == self._running or key in self._queue),
+                timeout,
+            )
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                if not self._queue:
+                    self._thread = None
+                    self._cond.notify_all()
+                    return
+                key, job = self._queue.popitem(last=False)
+                self._running = key
+            try:
+                job()
+            except Exception:  # the job reports its own failures; never kill the worker
+                logger.exception("specfx: background compile of %s failed", key)
+            finally:
+                with self._cond:
+                    self._running = None
+                    self._cond.notify_all()
+
+
+def provisional_times(measured: dict[tuple, dict[int, float]], key: tuple, ks: tuple[int, ...]) -> dict[int, float]:
+    """Round times "auto" uses while a shape's graphs compile in the background, until the first
+    call after they are ready times them: those measured for the same batch bucket, mode and
+    collect at the nearest buffer capacity (``measured``: ``RoundTimer.times_by_shape``, keys
+    ``(rows, capacity, mode, collect)``), else ``t(K) = 1 + PROVISIONAL_COST * K``. The rounds
+    run meanwhile are partly eager, partly compiled: no measurement fits them better."""
+    rows, capacity, *rest = key
+    near = [(abs(c - capacity), t) for (r, c, *o), t in measured.items() if r == rows and o == rest]
+    if near:
+        return dict(min(near, key=lambda x: x[0])[1])
+    return {k: 1.0 + PROVISIONAL_COST * k for k in ks}
+
+
+_GENERATORS: weakref.WeakSet = weakref.WeakSet()  # the live generators that compile in the background
+
+
+def register_background(generator) -> None:
+    """Let :func:`wait_for_graphs` wait for ``generator`` (held weakly)."""
+    _GENERATORS.add(generator)
+
+
+def wait_for_graphs(timeout: float | None = None) -> bool:
+    """Wait until every live generator's background compiles are done (and "auto" has timed
+    them: ``SpeculativeGenerator.wait_for_graphs``); False if ``timeout`` s passed first. For
+    benchmarks (after a warm-up) and tests; ``specfx.wait_for_graphs``."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for generator in list(_GENERATORS):
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not generator.wait_for_graphs(left):
+            return False
+    return True

@@ -1,0 +1,210 @@
+"""Round graphs compiled in the background while the rounds run eagerly (decision 67).
+
+The worker is held with a blocking job so that each test knows which rounds ran before the
+graphs were ready; the graphs are traced with ``specfx_eager`` or a counting backend (no
+Inductor: these tests are fast and not marked ``compiled``).
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+
+import specfx
+from specfx.engine.background import PROVISIONAL_COST, BackgroundCompiler, provisional_times
+from specfx.testing.tiny import tiny_causal_lm
+
+PROMPT = torch.tensor([[5, 9, 3, 7, 5, 9, 3, 7, 5, 9, 3, 11, 4]])
+
+
+class Hold:
+    """A job that keeps a generator's worker busy until released."""
+
+    def __init__(self, spec):
+        self.started, self.release = threading.Event(), threading.Event()
+        spec.graph_cache.background.submit(("hold",), self._job)
+        assert self.started.wait(30)
+
+    def _job(self):
+        self.started.set()
+        self.release.wait(60)
+
+
+class CountingBackend:
+    """A Dynamo backend that runs the captured graph as is and counts its runs."""
+
+    def __init__(self):
+        self.compiled = self.runs = 0
+
+    def __call__(self, gm, example_inputs):
+        self.compiled += 1
+
+        def run(*args):
+            self.runs += 1
+            return gm.forward(*args)
+
+        return run
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_causal_lm("llama")
+
+
+def test_rounds_run_eagerly_until_the_graphs_are_ready_then_compiled(target, one_thread):
+    backend = CountingBackend()
+    spec = specfx.speculate(target, draft="prompt_lookup", backend=backend, background_compile=True)
+    ref = target.generate(PROMPT, max_new_tokens=24)
+    hold = Hold(spec)
+    assert torch.equal(spec.generate(PROMPT, max_new_tokens=24), ref)
+    # every K of "auto" queued; nothing compiled, nothing of it run: all rounds were eager
+    assert {key[3] for key in spec.compiling if key[0] == "round"} == {0, 1, 2, 4, 8}
+    assert backend.compiled == backend.runs == 0 and spec.compile_events == []
+    tokens = spec.state.tokens.clone()
+    hold.release.set()
+    assert spec.wait_for_graphs(timeout=120)
+    assert spec.compiling == []
+    assert sorted(e.key[3] for e in spec.compile_events) == [0, 1, 2, 4, 8]
+    assert all(e.background for e in spec.compile_events)
+    # compiled without running (the timing of "auto" then ran each graph on finished rows)
+    assert backend.compiled == 5
+    assert torch.equal(spec.state.tokens, tokens)
+    assert set(spec.auto_k.times) == {0, 1, 2, 4, 8}
+    runs = backend.runs
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert torch.equal(spec.generate(PROMPT, max_new_tokens=24), ref)
+    assert backend.compiled == 5 and backend.runs > runs  # the rounds ran the compiled graphs
+
+
+def test_compile_only_call_does_not_run_the_graph(target, one_thread):
+    backend = CountingBackend()
+    spec = specfx.speculate(target, draft="prompt_lookup", num_speculative_tokens=3, backend=backend, background_compile=True)
+    hold = Hold(spec)
+    spec.generate(PROMPT, max_new_tokens=8)
+    snapshot = {name: t.clone() for name, t in vars(spec.state).items() if isinstance(t, torch.Tensor)}
+    hold.release.set()
+    assert spec.wait_for_graphs(timeout=120)
+    assert backend.compiled == 1 and backend.runs == 0
+    for name, t in snapshot.items():
+        assert torch.equal(getattr(spec.state, name), t), name
+
+
+def test_seeded_sampling_is_the_same_eager_and_compiled(target, one_thread):
+    spec = specfx.speculate(target, draft="prompt_lookup", num_speculative_tokens=3, backend="specfx_eager", background_compile=True)
+    kwargs = dict(max_new_tokens=20, do_sample=True, temperature=0.9, top_k=0)
+    hold = Hold(spec)
+    torch.manual_seed(7)
+    eager = spec.generate(PROMPT, **kwargs)
+    hold.release.set()
+    assert spec.wait_for_graphs(timeout=120) and len(spec.compile_events) == 1
+    torch.manual_seed(7)
+    assert torch.equal(spec.generate(PROMPT, **kwargs), eager)
+
+
+def test_a_variant_outgrown_while_queued_is_never_kept(target, one_thread):
+    spec = specfx.speculate(target, draft="prompt_lookup", num_speculative_tokens=2, backend="specfx_eager", background_compile=True)
+    hold = Hold(spec)
+    spec.generate(PROMPT, max_new_tokens=8)
+    (short,) = [key for key in spec.compiling if key[0] == "round"]
+    # a longer call raises the live-KV bound: the queued graph of the old bound is dropped
+    assert torch.equal(spec.generate(PROMPT, max_new_tokens=120), target.generate(PROMPT, max_new_tokens=120))
+    (long,) = [key for key in spec.compiling if key[0] == "round"]
+    assert long[-1] > short[-1]
+    hold.release.set()
+    assert spec.wait_for_graphs(timeout=120)
+    assert [e.key for e in spec.compile_events] == [long] and spec.graph_cache.keys() == [long]
+
+
+def test_a_variant_of_a_batch_bucket_no_longer_allocated_waits_for_its_next_call(target, one_thread):
+    spec = specfx.speculate(target, draft="prompt_lookup", num_speculative_tokens=2, backend="specfx_eager", background_compile=True)
+    pair = PROMPT.repeat(2, 1)
+    hold = Hold(spec)
+    spec.generate(pair, max_new_tokens=8)  # queues the batch-2 graph
+    spec.generate(PROMPT, max_new_tokens=8)  # reallocates for batch 1: the batch-2 graph cannot be traced now
+    hold.release.set()
+    assert spec.wait_for_graphs(timeout=120)
+    assert {e.key[1] for e in spec.compile_events} == {1}  # skipped, not failed
+    assert torch.equal(spec.generate(pair, max_new_tokens=8), target.generate(pair, max_new_tokens=8))
+    assert spec.wait_for_graphs(timeout=120)
+    assert {e.key[1] for e in spec.compile_events} == {1, 2} and all(e.background for e in spec.compile_events)
+
+
+def test_a_failed_background_compile_raises_at_the_next_call(target, one_thread):
+    def broken(gm, example_inputs):
+        raise RuntimeError("no compiler here")
+
+    spec = specfx.speculate(target, draft="prompt_lookup", num_speculative_tokens=2, backend=broken, background_compile=True)
+    ref = target.generate(PROMPT, max_new_tokens=8)
+    assert torch.equal(spec.generate(PROMPT, max_new_tokens=8), ref)  # eager meanwhile
+    assert spec.wait_for_graphs(timeout=120)
+    with pytest.raises(Exception, match="no compiler here"):  # compiled in the foreground: its error surfaces
+        spec.generate(PROMPT, max_new_tokens=8)
+
+
+def test_a_generator_dropped_while_compiling_is_freed(target, one_thread):
+    spec = specfx.speculate(target, draft="prompt_lookup", num_speculative_tokens=2, backend="specfx_eager", background_compile=True)
+    hold = Hold(spec)
+    spec.generate(PROMPT, max_new_tokens=8)
+    compiler, ref = spec.graph_cache.background, weakref.ref(spec)
+    del spec
+    hold.release.set()
+    assert compiler.wait(timeout=120)
+    gc.collect()
+    assert ref() is None
+
+
+def test_threads_share_a_generator_while_it_compiles(target, one_thread):
+    spec = specfx.speculate(target, draft="prompt_lookup", backend="specfx_eager", background_compile=True)
+    prompts = [PROMPT, PROMPT[:, 3:], PROMPT.repeat(2, 1), PROMPT[:, 1:]]
+    refs = [target.generate(p, max_new_tokens=16) for p in prompts]
+    errors = []
+
+    def work(i):
+        try:
+            for j in range(3):
+                p = (i + j) % len(prompts)
+                assert torch.equal(spec.generate(prompts[p], max_new_tokens=16), refs[p])
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert errors == [] and not any(t.is_alive() for t in threads)
+    assert spec.wait_for_graphs(timeout=120)
+
+
+def test_who_compiles_in_the_background(target):
+    assert specfx.speculate(target).graph_cache.background is not None  # Inductor on a CPU
+    assert specfx.speculate(target, backend="specfx_eager").graph_cache.background is None
+    assert specfx.speculate(target, compile=False).graph_cache.background is None
+    assert specfx.speculate(target, background_compile=False).graph_cache.background is None
+    assert specfx.speculate(target, backend="specfx_eager", background_compile=True).graph_cache.background is not None
+    with pytest.raises(ValueError, match="background_compile must be None, True or False"):
+        specfx.speculate(target, background_compile="yes")
+
+
+def test_provisional_times_come_from_the_nearest_measured_capacity():
+    greedy, sampling = "greedy", "sampling"
+    measured = {(1, 256, greedy, False): {0: 1.0, 4: 1.5}, (1, 1024, greedy, False): {0: 2.0, 4: 2.2}, (4, 512, greedy, False): {0: 9.0, 4: 9.0}}
+    assert provisional_times(measured, (1, 512, greedy, False), (0, 4)) == {0: 1.0, 4: 1.5}
+    assert provisional_times(measured, (1, 2048, greedy, False), (0, 4)) == {0: 2.0, 4: 2.2}
+    assert provisional_times(measured, (1, 512, sampling, False), (0, 4)) == {0: 1.0, 4: 1.0 + 4 * PROVISIONAL_COST}
+
+
+def test_background_compiler_queue_order_and_wait():
+    compiler, done, gate = BackgroundCompiler(), [], threading.Event()
+    compiler.submit("a", lambda: (gate.wait(30), done.append("a")))
+    compiler.submit("b", lambda: done.append("b"))
+    compiler.submit("c", lambda: done.append("c"), first=True)  # ahead of b (a has started or is first)
+    compiler.submit("b", lambda: done.append("b twice"))  # queued once
+    assert compiler.busy("b") and not compiler.wait(timeout=0.05)
+    gate.set()
+    assert compiler.wait(timeout=30)
+    assert done in (["a", "c", "b"], ["c", "a", "b"]) and not compiler.busy()

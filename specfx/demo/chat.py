@@ -223,12 +223,19 @@ def run_chat(args) -> int:
 
             return run
 
+        ks = Counter()  # "auto": how often each K was chosen (per sync window; AutoK.history lasts one call)
+
+        def spec_generate(x, **kwargs):
+            out = spec.generate(x, **kwargs)
+            ks.update(getattr(spec.auto_k, "history", ()))
+            return out
+
         hf_lookup = f"HF prompt lookup (N={args.prompt_lookup_num_tokens})"
         spec_name = f"specfx {spec.method}"
         methods = {
             "HF generate()": method(model.generate),
             hf_lookup: method(model.generate, prompt_lookup_num_tokens=args.prompt_lookup_num_tokens),
-            spec_name: method(spec.generate),
+            spec_name: method(spec_generate),
         }
 
         if not args.no_compile and getattr(spec, "wait_for_graphs", None) is None:
@@ -245,11 +252,9 @@ def run_chat(args) -> int:
             torch.manual_seed(args.seed)  # specfx's warm-up pass
             spec.generate(x, attention_mask=torch.ones_like(x), streamer=PrintingMarkingStreamer(tok, color), **kw)
         _wait_for_graphs(spec)
-        spec.cumulative_stats = type(spec.stats)()  # τ and α of the timed passes
-        auto_k = getattr(spec, "auto_k", None)
-        k_seen = len(auto_k.history) if auto_k is not None else 0
+        spec.cumulative_stats = type(spec.stats)()  # τ, α and the Ks of the timed passes
+        ks.clear()
         times, outputs = _time(methods, ids, args.repeats, warm=[n for n in methods if n != spec_name])
-        ks = Counter(auto_k.history[k_seen:]) if auto_k is not None else Counter()  # the Ks the timed passes used
 
     same = _report(args, len(prompts), ids, times, outputs, spec_name, spec.cumulative_stats, ks)
     return 0 if same or args.sample else 1
@@ -287,7 +292,10 @@ def _report(args, n_prompts: int, ids, times: dict, outputs: dict, spec_name: st
     )
     if ks:
         total = sum(ks.values())
-        print("K per round ('auto'): " + ", ".join(f"{k} in {n / total:.0%}" for k, n in sorted(ks.items())))
+        print(
+            "K chosen by 'auto' (share of sync windows): "
+            + ", ".join(f"K={k} {n / total:.0%}" for k, n in sorted(ks.items()))
+        )
     if args.sample:
         print(
             f"sampling (temperature {args.temperature}, seed {args.seed}): outputs differ from HF's draw by design; "

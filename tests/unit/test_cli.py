@@ -1,4 +1,5 @@
-"""``specfx demo`` and ``specfx bench`` smoke tests on the shipped pair (eager, a few tokens)."""
+"""``specfx demo --pair`` and ``specfx bench`` smoke tests on the shipped pair (eager, a few tokens);
+the default ``specfx demo`` (SmolLM2) is tested in tests/unit/demo/test_chat_demo.py."""
 
 import json
 
@@ -6,8 +7,9 @@ import pytest
 import torch
 
 from specfx.bench.harness import hf_assisted_kwargs
-from specfx.cli import MarkingStreamer, main, render_marked
+from specfx.cli import main
 from specfx.demo.pair import load_demo_pair
+from specfx.demo.stream import MarkingStreamer, render_marked
 
 
 def test_marking_streamer_marks_all_but_the_last_token_of_a_round():
@@ -49,9 +51,8 @@ def test_render_marked_wraps_accepted_runs():
 
 def test_demo_smoke(one_thread, tmp_path, capsys):
     plot = tmp_path / "demo.png"
-    rc = main(
-        ["demo", "--no-compile", "--max-new-tokens", "12", "--num-prompts", "1", "--repeats", "1", "--plot", str(plot)]
-    )
+    argv = ["demo", "--pair", "--no-compile", "--max-new-tokens", "12", "--num-prompts", "1", "--repeats", "1"]
+    rc = main(argv + ["--plot", str(plot)])
     out = capsys.readouterr().out
     assert rc == 0
     assert "greedy output identical to HF generate(): yes" in out
@@ -111,6 +112,7 @@ def test_named_drafters_map_to_hf_equivalents():
     "argv, message",
     [
         (["demo", "--k", "0"], "must be >= 1"),
+        (["demo", "--pair", "--k", "0"], "must be >= 1"),
         (["bench", "--k", "two"], "--k takes comma-separated integers or 'auto', --batch-sizes integers; got 'two'"),
         (["bench", "--batch-sizes", "0"], "--batch-sizes a positive integer"),
     ],

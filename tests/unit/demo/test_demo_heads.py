@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import specfx
-from specfx.cli import head_params, main
+from specfx.cli import main
 from specfx.demo.pair import DEMO_PAIR_DIR, demo_drafter, demo_prompts, load_demo_pair
+from specfx.demo.pair_demo import head_params
 
 HEADS = {"eagle3": specfx.Eagle3, "eagle": specfx.Eagle, "medusa": specfx.Medusa}
 
@@ -54,7 +55,7 @@ def test_demo_drafter_names(demo):
 
 def test_demo_cli_with_a_head(one_thread, tmp_path, capsys):
     plot = tmp_path / "demo.png"
-    argv = ["demo", "--draft", "eagle3", "--no-compile", "--max-new-tokens", "8", "--num-prompts", "1"]
+    argv = ["demo", "--pair", "--draft", "eagle3", "--no-compile", "--max-new-tokens", "8", "--num-prompts", "1"]
     assert main(argv + ["--repeats", "1", "--k", "2", "--plot", str(plot)]) == 0
     out = capsys.readouterr().out
     assert "eagle3 head" in out and "greedy output identical to HF generate(): yes" in out

@@ -4,7 +4,8 @@ own prompt lookup and specfx are timed side by side on the same prompts in the s
 specfx's greedy tokens are checked against HF ``generate()``'s.
 
 Timing: every method first runs once over all prompts untimed (specfx's warm-up is the streamed
-pass, after its graphs are compiled), then ``--repeats`` timed passes, interleaved (pass r runs
+pass: its first tokens come at once while the round graphs compile in the background, which it
+then waits for), then ``--repeats`` timed passes, interleaved (pass r runs
 every method once over all prompts) so drift of the machine hits all alike; a method's time is
 the median pass. EOS is kept, as a chat needs it: tokens/s counts the tokens each method actually
 generated (greedy HF and specfx generate the same ones).
@@ -153,12 +154,12 @@ def _load(args):
 
 
 def _wait_for_graphs(spec) -> None:
-    wait = getattr(spec, "wait_for_graphs", None)  # background compilation, where the generator has it
-    if wait is not None:
-        from specfx.bench.harness import spinner
+    """Wait for the round graphs the streamed pass queued (compiled in the background,
+    ARCHITECTURE decision 67; a no-op when they compiled in the foreground)."""
+    from specfx.bench.harness import spinner
 
-        with spinner("waiting for specfx's graphs compiled in the background"):
-            wait()
+    with spinner("waiting for specfx's graphs compiled in the background (minutes on a small CPU, once)"):
+        spec.wait_for_graphs()
 
 
 def _time(methods: dict, ids: list[torch.Tensor], repeats: int, warm: list[str]) -> tuple[dict, dict]:
@@ -190,7 +191,7 @@ def run_chat(args) -> int:
     greedy output differs from HF ``generate()``'s; SystemExit with a one-line message if the
     model or the drafter cannot be loaded."""
     import specfx
-    from specfx.bench.harness import log, torch_threads
+    from specfx.bench.harness import torch_threads
 
     device = torch.device(args.device)
     with torch_threads(args.threads if device.type == "cpu" else None) as threads:
@@ -238,11 +239,6 @@ def run_chat(args) -> int:
             spec_name: method(spec_generate),
         }
 
-        if not args.no_compile and getattr(spec, "wait_for_graphs", None) is None:
-            # compile before streaming, on the longest prompt: the buffers it sizes serve every prompt
-            log("compiling specfx's round graphs (first call: minutes on a small CPU; --no-compile skips it)")
-            longest = max(ids, key=lambda x: x.shape[1])
-            methods[spec_name](longest)
         color = sys.stdout.isatty() and not args.no_color
         on, off = marks(color)
         print(f"\nspecfx's answers, streamed as generated (drafted-and-accepted tokens {on}marked{off}):")

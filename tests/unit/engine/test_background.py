@@ -208,3 +208,23 @@ def test_background_compiler_queue_order_and_wait():
     gate.set()
     assert compiler.wait(timeout=30)
     assert done in (["a", "c", "b"], ["c", "a", "b"]) and not compiler.busy()
+
+
+def test_the_switch_interval_is_short_only_while_a_worker_compiles():
+    import sys
+
+    from specfx.engine.background import SWITCH_INTERVAL
+
+    saved = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.004)
+        compiler, gate, seen = BackgroundCompiler(), threading.Event(), []
+        compiler.submit("a", lambda: (seen.append(sys.getswitchinterval()), gate.wait(30)))
+        gate.set()
+        assert compiler.wait(timeout=30)
+        assert seen == [pytest.approx(SWITCH_INTERVAL)] and sys.getswitchinterval() == pytest.approx(0.004)  # restored
+        # changed by someone else while the worker ran: left as they set it
+        compiler.submit("b", lambda: sys.setswitchinterval(0.002))
+        assert compiler.wait(timeout=30) and sys.getswitchinterval() == pytest.approx(0.002)
+    finally:
+        sys.setswitchinterval(saved)

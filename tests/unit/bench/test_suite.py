@@ -312,15 +312,17 @@ def smoke(model, tokenizer, out, *argv) -> dict:
 
 
 def test_smoke_run_reports_greedy_equality(smollm2, tmp_path, capsys):
-    report = smoke(*smollm2, tmp_path, "--categories", "code_editing")
+    # HF's early exit (the slowest peer here) runs in the full tier's smoke run below
+    report = smoke(*smollm2, tmp_path, "--categories", "code_editing", "--skip", "hf_early_exit")
     results = report["runs"]["greedy"]["1"]["methods"]
-    assert set(results) == {BASELINE, "hf_prompt_lookup", "hf_early_exit", "specfx"}
+    assert set(results) == {BASELINE, "hf_prompt_lookup", "specfx"}
     res = results["specfx"]["categories"]["code_editing"]
     assert res["same_tokens_as_hf_dynamic"] is True and res["tokens"] == [4] and res["tau"] >= 1.0
     assert results["hf_prompt_lookup"]["categories"]["code_editing"]["same_tokens_as_hf_dynamic"] is True
     assert report["meta"]["machine"]["threads"] == 1 and len(report["meta"]["load_avg"]["end"]) == 3
     text = (tmp_path / "suite.md").read_text()
     assert text.count("-> **") == 3 and "| code_editing |" in text  # the three targets, each PASS or FAIL
+    assert "-> **PASS**" in text or "-> **FAIL**" in text
     out = capsys.readouterr().out
     assert "command: specfx bench suite --quick" in out and "load average at start" in out
 

@@ -159,6 +159,17 @@ def test_bad_arguments_say_what_to_pass(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_help_is_plain_text(capsys):
+    from specfx.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "suite", "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "usage: specfx bench suite" in out and "--quick" in out
+    for markup in ("``", ":mod:", ":func:", ":class:"):
+        assert markup not in out
+
+
 # ----------------------------------------------------------------------------- the timing loop
 def fake_methods(wrong_column: int | None):
     """hf_dynamic emits 4 tokens then EOS (2); "specfx" the same, or one token off at ``wrong_column``."""
@@ -292,6 +303,29 @@ def test_the_markdown_report_prints_numbers_targets_and_what_did_not_run():
     assert "every category vs HF generate() >= 1.0x: 1.20x (lowest: qa) -> **PASS**" in text
     assert "| qa | 30.0 | n/a | n/a | 27.0 | 0.90x | n/a | n/a |" in text
     assert "specfx[lookahead]: not run (ValueError: not here)" in text
+
+
+def test_without_matplotlib_the_plot_is_skipped_with_a_hint(monkeypatch, tmp_path, capsys):
+    import sys
+
+    from specfx.bench.tasks.suite_report import suite_plot
+
+    for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
+        monkeypatch.setitem(sys.modules, name, None)  # importing it raises ImportError
+    results = synthetic({BASELINE: {"qa": 10.0}, "specfx": {"qa": 12.0}})
+    assert suite_plot(tmp_path / "suite.png", {"greedy": {"1": {"summary": summarise(results, 1)}}}) is None
+    assert not (tmp_path / "suite.png").exists() and 'pip install "specfx[plot]"' in capsys.readouterr().err
+
+
+def test_the_plot_draws_every_mode_and_batch_size(tmp_path):
+    pytest.importorskip("matplotlib", reason='plots need matplotlib: pip install "specfx[plot]"')
+    from specfx.bench.tasks.suite_report import suite_plot
+
+    b1 = synthetic({BASELINE: {"qa": 10.0}, "hf_prompt_lookup": {"qa": 11.0}, "specfx": {"qa": 12.0}})
+    b8 = synthetic({BASELINE: {"qa": 30.0}, "specfx": {"qa": 27.0}})
+    runs = {"greedy": {"1": {"summary": summarise(b1, 1)}, "8": {"summary": summarise(b8, 8)}}}
+    assert suite_plot(tmp_path / "suite.png", runs) == tmp_path / "suite.png"
+    assert (tmp_path / "suite.png").read_bytes()[:4] == b"\x89PNG"
 
 
 # ----------------------------------------------------------------------------- a smoke run

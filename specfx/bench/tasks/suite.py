@@ -40,7 +40,8 @@ prompt lookup and early exit on that category), τ (tokens per round, ``spec.sta
 mean over categories, with issue 27's batch-1 targets, PASS/FAIL. It writes ``--out``/suite.json
 (every time and count), suite.md (the tables) and suite.png (per-category ratio bars; needs
 matplotlib). ``--quick`` is a smoke run (1 prompt a category, 8 new tokens, greedy, batch 1,
-eager, 1 repeat; about a minute on an idle core, less with ``--categories``).
+eager, 1 repeat; 72 s for all eight categories on a busy 2-core machine, ~20 s with two
+``--categories``). The prompts are loaded, rendered and batched by :mod:`.suite_prompts`.
 """
 
 from __future__ import annotations
@@ -51,12 +52,12 @@ import os
 import statistics
 import sys
 import time
-from importlib import resources
 from pathlib import Path
 
 import torch
 
 from specfx.bench.harness import BASELINE, first_mismatch, hf_assisted, log, n_params, run_meta, sync_fn, torch_threads
+from specfx.bench.tasks.suite_prompts import CATEGORIES, count_new_tokens, load_suite, make_batches, render
 from specfx.bench.tasks.suite_report import markdown_report, specfx_differences, suite_plot, summarise
 from specfx.engine.stats import SpecStats
 
@@ -72,16 +73,6 @@ __all__ = [
     "run",
 ]
 
-CATEGORIES = (
-    "multi_turn",
-    "translation",
-    "summarization",
-    "qa",
-    "math_reasoning",
-    "rag",
-    "code_writing",
-    "code_editing",
-)
 MODES = ("greedy", "sample")
 DESCRIPTION = (
     "SmolLM2-135M-Instruct on the project's Spec-Bench-style chat suite (8 categories x 8 prompts):\n"
@@ -159,68 +150,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         )
     if args.num_prompts is not None and args.num_prompts < 1:
         p.error(f"--num-prompts must be >= 1, got {args.num_prompts}")
-    if not args.drafter_list:
-        p.error("--drafters needs at least one name, e.g. default")
+    from specfx.drafters.registry import NAMED_DRAFTERS
+
+    unknown = [d for d in args.drafter_list if d != "default" and d.partition(":")[0] not in NAMED_DRAFTERS]
+    if not args.drafter_list or unknown:
+        p.error(
+            f"--drafters takes 'default' and/or drafter names ({', '.join(sorted(NAMED_DRAFTERS))}; an argument "
+            f"after a colon, e.g. early_exit:8), got {args.drafters!r}"
+        )
     if args.temperature <= 0:
         p.error(f"--temperature must be > 0 (greedy is --modes greedy), got {args.temperature}")
     args.skip_set = set(_csv(args.skip))
     return args
-
-
-# ----------------------------------------------------------------------------- prompts
-def load_suite(path: str | Path | None = None) -> dict[str, list[dict]]:
-    """The prompt suite: category -> prompts in file order, each ``{"id", "category", "messages"}``
-    (``messages``: chat messages, ``{"role", "content"}``, ending with a user turn). ``path``: a
-    JSONL file of that format (default: the shipped ``specfx/bench/prompts/suite.jsonl``).
-    A malformed line raises ValueError naming it."""
-    source = resources.files("specfx.bench") / "prompts" / "suite.jsonl" if path is None else Path(path)
-    suite: dict[str, list[dict]] = {}
-    for number, line in enumerate(source.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-            messages = item["messages"]
-            ok = isinstance(item["id"], str) and isinstance(item["category"], str) and isinstance(messages, list)
-            ok = ok and all(set(m) == {"role", "content"} and isinstance(m["content"], str) for m in messages)
-            ok = ok and bool(messages) and messages[-1]["role"] == "user"
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{source}:{number}: not a suite prompt ({type(e).__name__}: {e})") from None
-        if not ok:
-            raise ValueError(
-                f'{source}:{number}: a suite prompt is {{"id": str, "category": str, "messages": [{{"role", '
-                f'"content"}}, ...]}} ending with a user message; got {line[:120]!r}'
-            )
-        suite.setdefault(item["category"], []).append(item)
-    return suite
-
-
-def render(tokenizer, messages: list[dict]) -> str:
-    """``messages`` as the model sees them: the chat template with the assistant's turn opened."""
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-
-
-def make_batches(tokenizer, prompts: list[dict], batch: int, device) -> list[dict]:
-    """``prompts`` rendered and left-padded ``batch`` at a time into ``{"input_ids": [B, S],
-    "attention_mask": [B, S]}``; the last batch is filled by cycling ``prompts`` from the start."""
-    texts = [render(tokenizer, p["messages"]) for p in prompts]
-    batches = []
-    for start in range(0, len(texts), batch):
-        rows = [texts[(start + r) % len(texts)] for r in range(batch)]
-        enc = tokenizer(rows, return_tensors="pt", padding=True, padding_side="left")
-        batches.append({k: enc[k].to(device) for k in ("input_ids", "attention_mask")})
-    return batches
-
-
-def count_new_tokens(out: torch.Tensor, prompt_width: int, eos_ids: set[int]) -> int:
-    """Tokens generated in ``out`` ``[B, prompt_width + new]``: per row up to and including its
-    first EOS (HF pads a finished row with pad_token_id), else all of its new columns."""
-    new = out[:, prompt_width:]  # [B, new]
-    if not eos_ids or new.shape[1] == 0:
-        return new.numel()
-    is_eos = torch.isin(new, torch.tensor(sorted(eos_ids), device=new.device))
-    first = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, new.shape[1])  # [B]
-    return int(first.sum())
 
 
 # ----------------------------------------------------------------------------- methods

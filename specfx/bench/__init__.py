@@ -14,10 +14,13 @@ Tasks (``specfx bench [TASK] --help``):
                ``--smoke`` checks it on tiny CPU models, ``--dry-run`` predicts its runtime)
     gpu_check  every drafter compiled on CUDA: greedy equality, one graph per shape, no host
                sync, CUDA-graph launches (:mod:`specfx.bench.tasks.gpu_check`)
+    suite      SmolLM2-135M-Instruct on the project's Spec-Bench-style chat suite (eight
+               categories), specfx against HF generate(), prompt lookup and early exit, greedy
+               and sampling, batch 1 and 8, with issue 27's targets (:mod:`specfx.bench.tasks.suite`)
 
 Building blocks: :mod:`.harness` (timing loops, token checks, HF's peers), :mod:`.counters`
 (HF's forwards), :mod:`.floor` (the bandwidth floor), :mod:`.oracle` (the oracle drafter),
-:mod:`.stdlib_code` (prompts), :mod:`.plot`. From a checkout without installing, run a task as
+:mod:`.stdlib_code` and ``prompts/suite.jsonl`` (prompts), :mod:`.plot`. From a checkout without installing, run a task as
 ``python3 -m specfx.cli bench TASK ...``.
 
 A tool beside the library: ``import specfx`` does not import this package (nor tqdm's bars or
@@ -30,7 +33,7 @@ import sys
 
 __all__ = ["main", "TASKS"]
 
-TASKS = ("drafters", "selfspec", "trees", "gpu", "gpu_check")
+TASKS = ("drafters", "selfspec", "trees", "gpu", "gpu_check", "suite")
 
 
 def main(argv=None) -> int:
@@ -46,6 +49,8 @@ def main(argv=None) -> int:
         from specfx.bench.tasks.gpu import main as task_main
     elif argv[:1] == ["gpu_check"]:
         from specfx.bench.tasks.gpu_check import main as task_main
+    elif argv[:1] == ["suite"]:
+        from specfx.bench.tasks.suite import main as task_main
     else:
         from specfx.bench.tasks.default import main as core_main
 

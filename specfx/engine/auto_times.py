@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 
 def auto_k_times(gen, mode: Mode, collect: bool) -> dict[int, float] | None:
-    """Round times of every candidate K (0 and ``auto_k_values``) for ``gen``'s (a
+    """Round times of every candidate (K = 0 and ``auto_k_values``, or K = 0 and a tree) for ``gen``'s (a
     :class:`~specfx.api.SpeculativeGenerator`) current graph shape in ``mode``; None when the
     configuration gives them."""
     config = gen.spec_config
@@ -43,7 +43,8 @@ def auto_k_times(gen, mode: Mode, collect: bool) -> dict[int, float] | None:
             if not all(cache.ready(gen.graph_key("round", *s.graph_id)) for s in shapes.values()):
                 for shape in reversed(shapes.values()):  # queued so that K = 0 compiles first
                     gen._variant("round", shape)
-                return provisional_times(gen.round_timer.times_by_shape, key, tuple(shapes))
+                widths = {k: s.scratch_slots for k, s in shapes.items()}
+                return provisional_times(gen.round_timer.times_by_shape, key, widths)
         gen.state.finished.fill_(True)
         gen.state.lengths.copy_(gen.state.prompt_lengths)  # this call's rows (each >= 1), as prefill leaves them
         fns = {k: gen._variant("round", shape, now=True) for k, shape in shapes.items()}

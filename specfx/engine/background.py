@@ -208,17 +208,19 @@ class BackgroundCompiler:
                     self._cond.notify_all()
 
 
-def provisional_times(measured: dict[tuple, dict[int, float]], key: tuple, ks: tuple[int, ...]) -> dict[int, float]:
+def provisional_times(measured: dict[tuple, dict], key: tuple, widths: dict) -> dict:
     """Round times "auto" uses while a shape's graphs compile in the background, until the first
     call after they are ready times them: those measured for the same batch bucket, mode and
     collect at the nearest buffer capacity (``measured``: ``RoundTimer.times_by_shape``, keys
-    ``(rows, capacity, mode, collect)``), else ``t(K) = 1 + PROVISIONAL_COST * K``. The rounds
-    run meanwhile are partly eager, partly compiled: no measurement fits them better."""
+    ``(rows, capacity, mode, collect)``), else ``t = 1 + PROVISIONAL_COST * w`` for a round whose
+    forward verifies ``w`` tokens past the pending one (``widths``: candidate -> w; K for a
+    chain, a tree's scratch slots). The rounds run meanwhile are partly eager, partly compiled:
+    no measurement fits them better."""
     rows, capacity, *rest = key
     near = [(abs(c - capacity), t) for (r, c, *o), t in measured.items() if r == rows and o == rest]
     if near:
         return dict(min(near, key=lambda x: x[0])[1])
-    return {k: 1.0 + PROVISIONAL_COST * k for k in ks}
+    return {k: 1.0 + PROVISIONAL_COST * w for k, w in widths.items()}
 
 
 _GENERATORS: weakref.WeakSet = weakref.WeakSet()  # the live generators that compile in the background

@@ -193,9 +193,12 @@ def test_who_compiles_in_the_background(target):
 def test_provisional_times_come_from_the_nearest_measured_capacity():
     greedy, sampling = "greedy", "sampling"
     measured = {(1, 256, greedy, False): {0: 1.0, 4: 1.5}, (1, 1024, greedy, False): {0: 2.0, 4: 2.2}, (4, 512, greedy, False): {0: 9.0, 4: 9.0}}
-    assert provisional_times(measured, (1, 512, greedy, False), (0, 4)) == {0: 1.0, 4: 1.5}
-    assert provisional_times(measured, (1, 2048, greedy, False), (0, 4)) == {0: 2.0, 4: 2.2}
-    assert provisional_times(measured, (1, 512, sampling, False), (0, 4)) == {0: 1.0, 4: 1.0 + 4 * PROVISIONAL_COST}
+    widths = {0: 0, 4: 4}
+    assert provisional_times(measured, (1, 512, greedy, False), widths) == {0: 1.0, 4: 1.5}
+    assert provisional_times(measured, (1, 2048, greedy, False), widths) == {0: 2.0, 4: 2.2}
+    assert provisional_times(measured, (1, 512, sampling, False), widths) == {0: 1.0, 4: 1.0 + 4 * PROVISIONAL_COST}
+    # a tree (key None) is priced by the tokens its forward adds
+    assert provisional_times({}, (1, 256, greedy, False), {0: 0, None: 12}) == {0: 1.0, None: 1.0 + 12 * PROVISIONAL_COST}
 
 
 def test_background_compiler_queue_order_and_wait():

@@ -46,9 +46,12 @@ key None, as in ``Plan.shapes``, so ``history`` holds 0 or None per window). A t
 α (siblings, per-row tries), but the policy needs only E[emitted] of one shape, and that is what
 the counters measure: the decayed mean of ``accepted + 1`` per row-round, τ̂, from the prior of a
 chain as deep as the tree (2 row-rounds at α = 0.5's E[emitted]). The tree is chosen while
-τ̂ / t(tree) > 1 / t(0); K = 0 at once when even every node path accepted to the full depth could not
-pay ((depth + 1) / t(tree) <= 1 / t(0)), else after ``MIN_EVIDENCE`` row-rounds; off stays off for
-drafters with state, resumable ones (lookahead, prompt lookup) are probed with one tree window.
+τ̂ / t(tree) > 1 / t(0); K = 0 at once when even a path accepted to the full depth could not pay
+((depth + 1) / t(tree) <= 1 / t(0)). A drafter with state explores first (K = 0 only after
+``MIN_EVIDENCE`` row-rounds, then for the rest of the call). A resumable one (lookahead, prompt
+lookup) chooses its first window on the prior among the tree and K = 0: where the prior says the
+tree does not pay the call starts plainly, and K = 0 is probed with one tree window after ``HOLD``
+windows, as after any fall back (decision 67 measures why).
 ``t(tree)`` is measured like any K; given times or ``auto_k_cost`` without a measured tree time
 price it as a chain verifying as many tokens as the tree's forward adds (its scratch slots).
 
@@ -164,6 +167,11 @@ class AutoK:
         """Rows so far that accepted all of the current K (the per-position counter at K)."""
         return per_position[self.k - 1] if self.k else 0
 
+    def before_evidence(self) -> tuple:
+        """The candidates before ``MIN_EVIDENCE`` row-rounds are measured: a chain explores
+        (K = 0 is never chosen on the prior alone)."""
+        return self.k_values
+
     # --------------------------------------------------------------- the policy
     def round_time(self, k) -> float:
         """t(K): measured (interpolated), or the constant model ``1 + cost·K``."""
@@ -179,13 +187,15 @@ class AutoK:
             self.off = self.unpaid = True  # even α = 1 would not pay
             return 0
         if pool is None:
-            pool = self.candidates if self.evidence >= MIN_EVIDENCE else self.k_values
+            pool = self.candidates if self.evidence >= MIN_EVIDENCE else self.before_evidence()
         k = max(pool, key=lambda k: self.expected(k) / self.round_time(k))
         self.off = k == 0
         return k
 
     def update(self, accepted: int, row_rounds: int, per_position: list[int]):
         """Feed the cumulative device counters read at a sync; returns K for the next window."""
+        if row_rounds == self._last[1]:  # no round ran since the last read (the read after prefill)
+            return self.k
         if self.off:
             if not self.resumable or self.unpaid:
                 return 0
@@ -255,6 +265,15 @@ class TreeAuto(AutoK):
 
     def full(self, per_position: list[int]) -> int:
         return 0  # unused: τ̂ needs no per-position count
+
+    def before_evidence(self) -> tuple:
+        """A resumable drafter's first window is chosen on the prior among the tree and K = 0:
+        where the prior says the tree does not pay (a CPU, where a tree round costs about two
+        plain ones) the call starts plainly and probes the tree after HOLD windows, instead of
+        paying MIN_EVIDENCE tree rounds every call to learn it again. Once the tree runs it
+        keeps running until MIN_EVIDENCE row-rounds say otherwise. A drafter with state always
+        explores first: K = 0 would end its rounds for the call."""
+        return self.candidates if self.resumable and self.evidence == 0 else self.k_values
 
     def round_time(self, k) -> float:
         """t(0), t(tree): measured (or given under key None); otherwise the chain of ``width``."""

@@ -167,12 +167,23 @@ def test_tree_policy_falls_back_to_plain_decoding_when_the_tree_cannot_pay():
     assert policy.k is TREE and policy.history == []  # the next call starts from the prior
 
 
-def test_tree_policy_probes_a_resumable_drafter():
-    """Lookahead (resumable): after HOLD windows of K = 0 one tree window; nothing accepted
-    doubles the wait (up to MAX_HOLD), a probe that accepts the full depth brings the tree back."""
+def test_a_read_with_no_round_since_the_last_is_not_a_window():
+    """The host reads the counters once after prefill, before any round: that read must not
+    count as a K = 0 window (nor as evidence)."""
     policy = TreeAuto(depth=2, width=11, times={0: 1.0, TREE: 1.8}, resumable=True)
-    ran = _feed_tree(policy, accepted=0, windows=MIN_EVIDENCE + HOLD + 1)
-    assert ran == [TREE] * MIN_EVIDENCE + [0] * HOLD + [TREE]
+    for _ in range(3):
+        assert policy.update(0, 0, [0, 0]) == 0
+    assert policy.held == 0 and policy.evidence == 0
+
+
+def test_tree_policy_probes_a_resumable_drafter():
+    """Lookahead (resumable): the tree competes with K = 0 from the first window. The prior
+    (τ = 1.75 at depth 2) against t(tree) / t(0) = 1.8 says plain decoding: the call starts at
+    K = 0 and probes the tree after HOLD windows; nothing accepted doubles the wait (up to
+    MAX_HOLD), a probe that accepts the full depth brings the tree back."""
+    policy = TreeAuto(depth=2, width=11, times={0: 1.0, TREE: 1.8}, resumable=True)
+    assert policy.k == 0 and policy.off and not policy.unpaid
+    assert _feed_tree(policy, accepted=0, windows=HOLD + 1) == [0] * HOLD + [TREE]
     hold = HOLD
     for _ in range(4):
         hold = min(2 * hold, MAX_HOLD)
@@ -181,6 +192,17 @@ def test_tree_policy_probes_a_resumable_drafter():
     assert policy.hold == MAX_HOLD
     _feed_tree(policy, accepted=0, windows=MAX_HOLD)
     assert _feed_tree(policy, accepted=2, windows=5) == [TREE] * 5 and not policy.off
+
+
+def test_tree_policy_starts_on_the_tree_where_the_prior_says_it_pays():
+    """t(tree) / t(0) = 1.5 < 1.75: a resumable drafter starts on the tree, which then runs
+    MIN_EVIDENCE row-rounds before the counts may turn it off (then probed); one whose tree
+    keeps accepting stays on it."""
+    policy = TreeAuto(depth=2, width=11, times={0: 1.0, TREE: 1.5}, resumable=True)
+    ran = _feed_tree(policy, accepted=0, windows=MIN_EVIDENCE + HOLD + 1)
+    assert ran == [TREE] * MIN_EVIDENCE + [0] * HOLD + [TREE]
+    paying = TreeAuto(depth=2, width=11, times={0: 1.0, TREE: 1.5}, resumable=True)
+    assert _feed_tree(paying, accepted=1, windows=20) == [TREE] * 20  # τ = 2 > 1.5
 
 
 def test_tree_round_time_given_measured_or_priced_as_a_chain():

@@ -16,7 +16,7 @@ import torch
 
 from specfx.config import SpecConfig
 from specfx.drafters.registry import resolve_drafter
-from specfx.engine.auto_k import AutoK, RoundTimer
+from specfx.engine.auto_k import RoundTimer, auto_policy
 from specfx.engine.auto_times import auto_k_times
 from specfx.engine.background import register_background, wait_for_graphs
 from specfx.engine.chain_round import RoundState, prefill_step, round_step
@@ -60,11 +60,13 @@ def speculate(
         num_speculative_tokens: K, proposals per round, or "auto": K chosen per round from the
             measured acceptance and round times among 0 (plain decoding) and ``auto_k_values``
             (one compiled round graph per value). None (default): "auto", with ``auto_k_values``
-            cut to what the drafter can propose; ignored when a tree sets the round.
+            cut to what the drafter can propose. With a tree (``tree=``, or lookahead's own),
+            None or "auto" chooses per round between the tree and K = 0, and an int must be the
+            tree's node count: the tree every round.
         tree: verify a token tree instead of a chain of K: a :class:`specfx.TokenTree` or a list
             of nodes in vLLM's convention (``[(0,), (1,), (0, 0)]``: each node a tuple of child
-            ranks from the pending token). Replaces ``num_speculative_tokens``. Drafters that
-            branch: a draft model, prompt lookup, early exit.
+            ranks from the pending token). Drafters that branch: a draft model, prompt lookup,
+            early exit.
         compile: compile each round into one graph (True), or run it eagerly (False).
         backend: torch.compile backend for those graphs ("specfx", "specfx_eager", or any).
         **options: further :class:`SpecConfig` fields (rounds_per_sync, prefill_buckets, ...).
@@ -102,9 +104,8 @@ class SpeculativeGenerator:
         self.spec_config = config = self.plan.config
         self.tree = self.plan.tree  # a tree round, or None: a chain of K
         self.drafter.prepare_tree(self.tree)
-        self.auto_k = None  # AutoK for num_speculative_tokens="auto"; .history lists the Ks used
-        if self.plan.auto:
-            self.auto_k = AutoK(config.k_values, config.auto_k_cost, config.auto_k_times, resumable=self.drafter.resumable)
+        # "auto" (a chain's K, or a tree against K = 0), else None; .history lists the Ks used
+        self.auto_k = auto_policy(self.plan, self.drafter.resumable)
         self.round_timer = RoundTimer()  # "auto": measured round times per graph shape
         # proposals per round at most (buffers keep this many scratch slots past the pending token)
         self.k = self.plan.scratch_slots

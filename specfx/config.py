@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["AUTO", "MAX_SPECULATIVE_TOKENS", "SpecConfig"]
+__all__ = ["AUTO", "MAX_SPECULATIVE_TOKENS", "SpecConfig", "check_tree_k"]
 
 MAX_SPECULATIVE_TOKENS = 16  # K above this unrolls too much for a round graph to pay off
 AUTO = "auto"  # num_speculative_tokens="auto": K chosen per round among auto_k_values
@@ -21,9 +21,12 @@ class SpecConfig:
             K is chosen before each round among 0 (no speculation: plain decoding through the
             same cache) and ``auto_k_values``, from the acceptance measured so far in the call
             and the measured time of a round (one round graph per value, so no recompiles; see
-            :mod:`specfx.engine.auto_k` for the policy). None (default): "auto" for a chain, with
-            ``auto_k_values`` cut to the K the drafter can propose (Medusa: its head count);
-            unused when a tree (``tree=``, or a drafter's own, like lookahead's) sets the round.
+            :mod:`specfx.engine.auto_k` for the policy). None (default): "auto", with
+            ``auto_k_values`` cut to the K the drafter can propose (Medusa: its head count).
+            With a tree (``tree=``, or a drafter's own, like lookahead's): None or "auto" chooses
+            per window between the tree and K = 0 (plain decoding); an int runs the tree every
+            round and must be its node count N (as vLLM's ``num_speculative_tokens`` with a
+            ``speculative_token_tree``).
         compile: compile each round (and prefill) into one graph; False runs the same code eagerly.
         backend: the torch.compile backend for those graphs ("specfx": the pass pipeline then
             Inductor; "specfx_eager": the passes, then the graph runs eagerly; or any Dynamo backend).
@@ -44,12 +47,13 @@ class SpecConfig:
             1..MAX_SPECULATIVE_TOKENS); each one used costs one compiled round graph.
         auto_k_cost: for "auto", a fixed cost model instead of timing rounds: one more proposal
             (a draft step plus one more verified position) costs ``auto_k_cost`` times a round
-            of K = 0. None (default): measured (``auto_k_times``, or timed by the generator).
+            of K = 0 (a tree: as many as the tokens its forward adds, its scratch slots).
+            None (default): measured (``auto_k_times``, or timed by the generator).
         auto_k_times: for "auto", round times per K (any unit; at least K = 0 and one other K,
-            interpolated linearly between) instead of timing the rounds; e.g. a generator's
-            measured ``spec.auto_k.times``, to reproduce its K choices (and so a seeded sampling
-            run) exactly elsewhere. None (default): timed before the first call of each graph
-            shape.
+            interpolated linearly between; key None: a tree round's time) instead of timing the
+            rounds; e.g. a generator's measured ``spec.auto_k.times``, to reproduce its K choices
+            (and so a seeded sampling run) exactly elsewhere. None (default): timed before the
+            first call of each graph shape.
         compile_prefill: also compile prefill (one graph per batch bucket, prompt bucket and
             capacity). False (default): prefill, one forward per call, runs eagerly, so new
             prompt lengths never compile anything.
@@ -66,8 +70,9 @@ class SpecConfig:
             compiled graph per such bound. False: attention reads the whole buffer. Only
             the "specfx"/"specfx_eager" backends run the pass; output is the same either way.
         tree: a token tree (:class:`specfx.TokenTree`, or a list of nodes such as
-            ``[(0,), (1,), (0, 0)]``) verified every round instead of a chain; it replaces
-            ``num_speculative_tokens`` (a tree that is a chain of K is exactly K). None: a chain.
+            ``[(0,), (1,), (0, 0)]``) verified instead of a chain: in the windows "auto" chooses
+            it (``num_speculative_tokens`` unset), or every round (``num_speculative_tokens`` =
+            its node count); a tree that is a chain of K is exactly K. None: a chain.
         background_compile: compile round graphs on a worker thread while the rounds run
             eagerly (the same code: the same tokens), switching to each graph once it is ready,
             so no call waits minutes for a compile (decision 67; ``spec.wait_for_graphs()``
@@ -92,22 +97,21 @@ class SpecConfig:
     background_compile: bool | None = None
 
     def __post_init__(self):
+        k = self.num_speculative_tokens
+        top = MAX_SPECULATIVE_TOKENS
         if self.tree is not None:
-            from specfx.trees.types import DynamicTree, TokenTree
+            from specfx.trees.types import MAX_TREE_NODES, DynamicTree, TokenTree
 
-            if self.num_speculative_tokens == AUTO:
-                raise ValueError(
-                    "num_speculative_tokens='auto' chooses among chains of K; it cannot be combined with "
-                    "tree=. Pass a tree, or 'auto' without a tree."
-                )
             if not isinstance(self.tree, DynamicTree):
                 object.__setattr__(self, "tree", TokenTree(self.tree))
-        k = self.num_speculative_tokens
-        if k is not None and k != AUTO and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS):
+            top = max(top, MAX_TREE_NODES)  # with a tree, K is its node count
+        if k is not None and k != AUTO and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= top):
             raise ValueError(
-                f"num_speculative_tokens must be an int in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}. "
+                f"num_speculative_tokens must be an int in [1, {top}], got {k!r}. "
                 f"Typical values are 2 to 8; or {AUTO!r} to choose K per round."
             )
+        if self.tree is not None:
+            check_tree_k(k, self.tree, "tree=...")
         a = self.auto_k_values
         if (
             not isinstance(a, tuple)
@@ -128,15 +132,17 @@ class SpecConfig:
                 raise ValueError("auto_k_cost and auto_k_times are two cost models for 'auto'; pass one of them.")
             ok = isinstance(t, Mapping) and 0 in t and len(t) >= 2
             ok = ok and all(
-                isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= MAX_SPECULATIVE_TOKENS for k in t
+                k is None or (isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= MAX_SPECULATIVE_TOKENS)
+                for k in t
             )
             ok = ok and all(isinstance(v, int | float) and not isinstance(v, bool) and 0 < v < float("inf") for v in t.values())
             if not ok:
                 raise ValueError(
-                    f"auto_k_times must map K (0 and at least one K in [1, {MAX_SPECULATIVE_TOKENS}]) to a positive "
-                    f"round time, e.g. {{0: 1.0, 8: 2.5}} (a generator's spec.auto_k.times), got {t!r}."
+                    f"auto_k_times must map K (0 and at least one K in [1, {MAX_SPECULATIVE_TOKENS}], or None for a "
+                    f"tree round) to a positive round time, e.g. {{0: 1.0, 8: 2.5}} (a generator's "
+                    f"spec.auto_k.times), got {t!r}."
                 )
-            object.__setattr__(self, "auto_k_times", {int(k): float(v) for k, v in t.items()})
+            object.__setattr__(self, "auto_k_times", {k if k is None else int(k): float(v) for k, v in t.items()})
         for name in ("compile", "compile_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}.")
@@ -184,3 +190,15 @@ class SpecConfig:
                 return b
         top = self.prefill_buckets[-1]
         return -(-length // top) * top
+
+
+def check_tree_k(k, tree, where: str) -> None:
+    """With a tree, an int ``num_speculative_tokens`` is its node count and runs the tree every
+    round; refuse any other int (None and "auto" pass: the tree or K = 0 per window)."""
+    if isinstance(k, int) and not isinstance(k, bool) and k != tree.size:
+        raise ValueError(
+            f"speculate({where}, num_speculative_tokens={k}): each round verifies a tree of {tree.size} nodes, "
+            f"and with a tree num_speculative_tokens is its node count; pass num_speculative_tokens={tree.size} "
+            f"to run the tree every round, or leave it unset ('auto': the tree, or plain decoding in the "
+            f"windows where the tree does not pay)."
+        )

@@ -82,7 +82,7 @@ class Drafter:
         """The :class:`~specfx.trees.types.TokenTree` every round of this drafter verifies, or None
         (the default: the round's shape comes from ``tree=`` / ``num_speculative_tokens``).
         Drafters that fix the round's tree themselves (lookahead: G chains of N - 1) return it;
-        speculate() then refuses tree= and num_speculative_tokens="auto"."""
+        speculate() then refuses tree=, and "auto" chooses between that tree and K = 0."""
         return None
 
     def prepare_tree(self, tree) -> None:

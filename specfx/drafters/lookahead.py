@@ -114,7 +114,9 @@ class Lookahead(Branching, TreeDrafting, Drafter):
     emitted per round) and runs the W x (N - 1) Jacobi window in the same target forward, so a
     round's forward has ``G * (N - 1) + W * (N - 1)`` tokens. No draft model, no training; the
     output is exactly the target's (greedy: token for token; sampling: its distribution).
-    ``tree=`` and ``num_speculative_tokens`` do not apply: the drafter fixes the round's shape.
+    ``tree=`` does not apply: the drafter fixes the round's shape. With ``num_speculative_tokens``
+    unset, "auto" runs that tree or plain decoding (K = 0) per window, whichever pays on the
+    measured round times (decision 68); ``num_speculative_tokens=G * (N - 1)`` runs it every round.
 
     Attributes:
         window: W, Jacobi columns (n-grams harvested per round).
@@ -124,6 +126,10 @@ class Lookahead(Branching, TreeDrafting, Drafter):
     """
 
     name = "lookahead"
+    # Resumable: every state it keeps (the pool, the Jacobi window) is guesses that the round
+    # verifies; the branch's KV is written afresh each round and never committed. After K = 0
+    # windows the guesses are stale, which lowers acceptance but never changes the output.
+    resumable = True
 
     def __init__(self, window: int = 4, ngram: int = 3, guesses: int = 2, pool: int | None = None):
         _int_in("window", window, 1, MAX_WINDOW)

@@ -40,6 +40,21 @@ at the smallest K instead of K = 0, so the probes cost at most ``t(k_min)/t(0) -
 ``HOLD`` rounds, and text that starts to repeat (a copy, an edit) gets speculation back. When
 no K could pay even at α = 1, nothing is probed. The next call starts again from the prior.
 
+A tree round (decision 68). With a token tree (``tree=``, or a drafter's own: lookahead) and
+``num_speculative_tokens`` left unset, the candidates are K = 0 and the tree (:class:`TreeAuto`;
+key None, as in ``Plan.shapes``, so ``history`` holds 0 or None per window). A tree has no single
+α (siblings, per-row tries), but the policy needs only E[emitted] of one shape, and that is what
+the counters measure: the decayed mean of ``accepted + 1`` per row-round, τ̂, from the prior of a
+chain as deep as the tree (2 row-rounds at α = 0.5's E[emitted]). The tree is chosen while
+τ̂ / t(tree) > 1 / t(0); K = 0 at once when even a path accepted to the full depth could not pay
+((depth + 1) / t(tree) <= 1 / t(0)). A drafter with state explores first (K = 0 only after
+``MIN_EVIDENCE`` row-rounds, then for the rest of the call). A resumable one (lookahead, prompt
+lookup) chooses its first window on the prior among the tree and K = 0: where the prior says the
+tree does not pay the call starts plainly, and K = 0 is probed with one tree window after ``HOLD``
+windows, as after any fall back (decision 68 measures why).
+``t(tree)`` is measured like any K; given times or ``auto_k_cost`` without a measured tree time
+price it as a chain verifying as many tokens as the tree's forward adds (its scratch slots).
+
 Reproducibility: K depends on the acceptance counts and on the times; the counts are exact
 functions of the seed, so seeded sampling reproduces exactly given the same times. The times
 of a generator are ``spec.auto_k.times`` after its first call; pass them as
@@ -54,7 +69,7 @@ from collections.abc import Callable, Mapping
 
 from specfx.engine.timing import call_times
 
-__all__ = ["AutoK", "RoundTimer", "expected_emitted"]
+__all__ = ["TREE", "AutoK", "RoundTimer", "TreeAuto", "auto_policy", "expected_emitted"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +77,7 @@ DECAY = 0.8  # weight of the previous estimate per sync window
 PRIOR_ACCEPTED, PRIOR_TRIALS = 1.0, 2.0  # α̂ = 0.5 before anything is measured
 MIN_EVIDENCE = 8  # row-rounds of measured acceptance before K = 0 may be chosen on it
 HOLD, MAX_HOLD = 8, 64  # resumable drafters: K = 0 windows before a probe (doubling per failed probe)
+TREE = None  # a tree round's key among the candidates, in the times and in history (as in Plan.shapes)
 
 
 def expected_emitted(alpha: float, k: int) -> float:
@@ -72,8 +88,9 @@ def expected_emitted(alpha: float, k: int) -> float:
 
 
 def interpolate(times: Mapping[int, float], k: int) -> float:
-    """Piecewise-linear ``t(k)`` through the measured points (constant beyond the ends)."""
-    ks = sorted(times)
+    """Piecewise-linear ``t(k)`` through the measured points of chains (constant beyond the
+    ends; a tree's time, key None, is not a point of it)."""
+    ks = sorted(x for x in times if x is not TREE)
     if k <= ks[0]:
         return float(times[ks[0]])
     for lo, hi in zip(ks, ks[1:], strict=False):
@@ -86,13 +103,17 @@ class AutoK:
     """Host-side K controller of a generator (see the module docstring). ``cost``: the constant
     model ``t(K) = 1 + cost·K``; else ``times`` (given, or measured by the generator and set with
     :meth:`reset`). ``resumable``: the drafter may sit out K = 0 windows and propose again
-    (probes after speculation is turned off; see the module docstring)."""
+    (probes after speculation is turned off; see the module docstring).
+
+    The estimate is a ratio ``successes / trials`` of decayed counts; :meth:`expected` turns it
+    into E[emitted] of a candidate and :meth:`best` says what a candidate emits at most. Chains:
+    accepted proposals over trials (α̂); :class:`TreeAuto` keeps emitted tokens over row-rounds."""
 
     def __init__(
         self,
-        k_values: tuple[int, ...],
+        k_values: tuple,
         cost: float | None = None,
-        times: Mapping[int, float] | None = None,
+        times: Mapping | None = None,
         *,
         resumable: bool = False,
     ):
@@ -103,12 +124,12 @@ class AutoK:
         self.resumable = resumable
         self.reset()
 
-    def reset(self, times: Mapping[int, float] | None = None) -> None:
+    def reset(self, times: Mapping | None = None) -> None:
         """Start a generate() call from the prior (the device counters are zero after prefill);
         ``times``: the round times of this call's graph shape, when measured."""
         if times is not None:
             self.times = dict(times)
-        self.successes, self.trials = PRIOR_ACCEPTED, PRIOR_TRIALS
+        self.successes, self.trials = self.prior()
         self.evidence = 0  # row-rounds measured this call
         self.off = False  # K = 0 chosen: speculation is off (for the call, unless resumable)
         self.unpaid = False  # no K could pay even at α = 1: off for the call, never probed
@@ -116,35 +137,65 @@ class AutoK:
         self.probing = False  # the window just launched is a probe
         self._last = (0, 0, 0)  # (accepted, row_rounds, full) counters at the previous read
         self.k = self.choose()
-        self.history: list[int] = []  # K of each sync window launched, for inspection and tests
+        self.history: list = []  # K of each sync window launched (None: a tree), for inspection and tests
 
+    # --------------------------------------------------------------- what a chain of K emits
     @property
-    def alpha(self) -> float:
+    def alpha(self) -> float | None:
         """The current estimate α̂."""
         return self.successes / self.trials
 
-    def round_time(self, k: int) -> float:
+    def prior(self) -> tuple[float, float]:
+        """``(successes, trials)`` before anything is measured (α̂ = 0.5)."""
+        return PRIOR_ACCEPTED, PRIOR_TRIALS
+
+    def best(self, k) -> float:
+        """Tokens a round of ``k`` emits when every proposal is accepted."""
+        return k + 1.0
+
+    def expected(self, k) -> float:
+        """E[emitted] of a round of ``k`` under the current estimate (1 at K = 0)."""
+        return expected_emitted(self.alpha, k)
+
+    def window(self, d_acc: int, d_rr: int, d_full: int) -> tuple[float, float]:
+        """One window's ``(successes, trials)`` from its counters: accepted proposals, row-rounds
+        and rows that accepted all K (each row-round is a trial more than it accepted, unless
+        it accepted all K: no rejection was observed)."""
+        return d_acc, d_acc + d_rr - d_full
+
+    def full(self, per_position: list[int]) -> int:
+        """Rows so far that accepted all of the current K (the per-position counter at K)."""
+        return per_position[self.k - 1] if self.k else 0
+
+    def before_evidence(self) -> tuple:
+        """The candidates before ``MIN_EVIDENCE`` row-rounds are measured: a chain explores
+        (K = 0 is never chosen on the prior alone)."""
+        return self.k_values
+
+    # --------------------------------------------------------------- the policy
+    def round_time(self, k) -> float:
         """t(K): measured (interpolated), or the constant model ``1 + cost·K``."""
         if self.times:
             return interpolate(self.times, k)
         return 1.0 + (self.cost or 0.0) * k
 
-    def choose(self, pool: tuple[int, ...] | None = None) -> int:
+    def choose(self, pool: tuple | None = None):
         if self.off:
             return 0
         t0 = self.round_time(0)
-        if all((k + 1) / self.round_time(k) <= 1.0 / t0 for k in self.k_values):
+        if all(self.best(k) / self.round_time(k) <= 1.0 / t0 for k in self.k_values):
             self.off = self.unpaid = True  # even α = 1 would not pay
             return 0
-        alpha = self.alpha
         if pool is None:
-            pool = self.candidates if self.evidence >= MIN_EVIDENCE else self.k_values
-        k = max(pool, key=lambda k: (expected_emitted(alpha, k) if k else 1.0) / self.round_time(k))
+            pool = self.candidates if self.evidence >= MIN_EVIDENCE else self.before_evidence()
+        k = max(pool, key=lambda k: self.expected(k) / self.round_time(k))
         self.off = k == 0
         return k
 
-    def update(self, accepted: int, row_rounds: int, per_position: list[int]) -> int:
+    def update(self, accepted: int, row_rounds: int, per_position: list[int]):
         """Feed the cumulative device counters read at a sync; returns K for the next window."""
+        if row_rounds == self._last[1]:  # no round ran since the last read (the read after prefill)
+            return self.k
         if self.off:
             if not self.resumable or self.unpaid:
                 return 0
@@ -154,38 +205,110 @@ class AutoK:
             # probe: one window at the smallest K, from counters read now
             self.held, self.probing, self.off = 0, True, False
             self.k = self.k_values[0]
-            self._last = (accepted, row_rounds, per_position[self.k - 1])
+            self._last = (accepted, row_rounds, self.full(per_position))
             return self.k
-        full = per_position[self.k - 1]  # rows that accepted all K (the window ran with self.k)
+        full = self.full(per_position)  # (the window ran with self.k)
         d_acc, d_rr, d_full = accepted - self._last[0], row_rounds - self._last[1], full - self._last[2]
+        successes, trials = self.window(d_acc, d_rr, d_full)
         if self.probing:  # the probe's acceptance alone, with the prior, chooses among every K
             self.probing = False
-            self.successes, self.trials = PRIOR_ACCEPTED + d_acc, PRIOR_TRIALS + d_acc + d_rr - d_full
+            prior = self.prior()
+            self.successes, self.trials = prior[0] + successes, prior[1] + trials
             self.k = self.choose(self.candidates)
             if self.off:
                 self.hold = min(2 * self.hold, MAX_HOLD)
         else:
             if d_rr > 0:
-                self.successes = DECAY * self.successes + d_acc
-                self.trials = DECAY * self.trials + d_acc + d_rr - d_full
+                self.successes = DECAY * self.successes + successes
+                self.trials = DECAY * self.trials + trials
                 self.evidence += d_rr
             self.k = self.choose()
-        # per_position[k - 1] of the new K is the baseline for the next window's "full" count
-        self._last = (accepted, row_rounds, per_position[self.k - 1] if self.k else 0)
+        # the new K's per-position counter is the baseline for the next window's "full" count
+        self._last = (accepted, row_rounds, self.full(per_position))
         return self.k
 
 
+class TreeAuto(AutoK):
+    """The "auto" policy for a token-tree round (see the module docstring): each window runs the tree
+    (key :data:`TREE`) or K = 0. ``depth``: the tree's depth D (at most D + 1 tokens per round);
+    ``width``: the tokens its forward adds past the pending one (its scratch slots), the K of the
+    chain that prices it when no tree time is given or measured. The estimate is τ̂, the decayed
+    mean of emitted tokens (``accepted + 1``) per row-round. ``cost``, ``times`` and ``resumable``
+    (keyword) as :class:`AutoK`'s."""
+
+    def __init__(self, depth: int, width: int, cost: float | None = None, times: Mapping | None = None, **kw):
+        self.depth, self.width = depth, width
+        super().__init__((TREE,), cost, times, **kw)
+
+    @property
+    def alpha(self) -> None:
+        """Not defined for a tree (see :attr:`tau`)."""
+        return None
+
+    @property
+    def tau(self) -> float:
+        """The current estimate τ̂: tokens a tree round emits per row."""
+        return self.successes / self.trials
+
+    def prior(self) -> tuple[float, float]:
+        """Two row-rounds at what a chain as deep as the tree emits at α = 0.5."""
+        return PRIOR_TRIALS * expected_emitted(0.5, self.depth), PRIOR_TRIALS
+
+    def best(self, k) -> float:
+        return 1.0 if k == 0 else self.depth + 1.0
+
+    def expected(self, k) -> float:
+        return 1.0 if k == 0 else self.tau
+
+    def window(self, d_acc: int, d_rr: int, d_full: int) -> tuple[float, float]:
+        return d_acc + d_rr, d_rr  # emitted (before EOS/length cuts), row-rounds
+
+    def full(self, per_position: list[int]) -> int:
+        return 0  # unused: τ̂ needs no per-position count
+
+    def before_evidence(self) -> tuple:
+        """A resumable drafter's first window is chosen on the prior among the tree and K = 0:
+        where the prior says the tree does not pay (a CPU, where a tree round costs about two
+        plain ones) the call starts plainly and probes the tree after HOLD windows, instead of
+        paying MIN_EVIDENCE tree rounds every call to learn it again. Once the tree runs it
+        keeps running until MIN_EVIDENCE row-rounds say otherwise. A drafter with state always
+        explores first: K = 0 would end its rounds for the call."""
+        return self.candidates if self.resumable and self.evidence == 0 else self.k_values
+
+    def round_time(self, k) -> float:
+        """t(0), t(tree): measured (or given under key None); otherwise the chain of ``width``."""
+        if k == 0:
+            return super().round_time(0)
+        if self.times and TREE in self.times:
+            return float(self.times[TREE])
+        return super().round_time(self.width)
+
+
+def auto_policy(plan, resumable: bool) -> AutoK | None:
+    """The "auto" policy of a :class:`~specfx.engine.plan.Plan` (None when its rounds are
+    fixed): a chain's K among 0 and ``auto_k_values``, or a tree against K = 0.
+    ``resumable``: the drafter's ``Drafter.resumable``."""
+    if not plan.auto:
+        return None
+    config = plan.config
+    if TREE in plan.shapes:
+        tree = plan.shape(TREE)
+        depth, width = tree.max_accepted, tree.scratch_slots
+        return TreeAuto(depth, width, config.auto_k_cost, config.auto_k_times, resumable=resumable)
+    return AutoK(config.k_values, config.auto_k_cost, config.auto_k_times, resumable=resumable)
+
+
 class RoundTimer:
-    """The measured round times of "auto": one ``{K: seconds}`` per graph shape, in
-    :attr:`times_by_shape` (a dict a test may read or overwrite: ``(batch bucket, capacity,
-    mode, collect) -> {K: s}``). A call that only raises the live-KV bound (decision 45) reuses
-    its shape's timing, and compiles only the Ks it then chooses."""
+    """The measured round times of "auto": one ``{K: seconds}`` per graph shape (K None: a
+    tree round), in :attr:`times_by_shape` (a dict a test may read or overwrite: ``(batch
+    bucket, capacity, mode, collect) -> {K: s}``). A call that only raises the live-KV bound
+    (decision 45) reuses its shape's timing, and compiles only the Ks it then chooses."""
 
     def __init__(self, warmup: int = 2, repeats: int = 7):
         self.warmup, self.repeats = warmup, repeats
-        self.times_by_shape: dict[tuple, dict[int, float]] = {}
+        self.times_by_shape: dict[tuple, dict[int | None, float]] = {}
 
-    def times(self, shape_key: tuple, rounds: Mapping[int, Callable[[], object]], sync=None) -> dict[int, float]:
+    def times(self, shape_key: tuple, rounds: Mapping[int | None, Callable[[], object]], sync=None) -> dict:
         """Round times of every candidate K (``rounds``: K -> one round's call, compiled
         already) for ``shape_key``: remembered, or timed now. The Ks are timed in turn,
         ``repeats`` times after ``warmup`` calls each, and each K keeps its fastest time: load

@@ -2,9 +2,11 @@
 
 :func:`plan_rounds` turns a :class:`~specfx.config.SpecConfig` and a drafter into a
 :class:`Plan`: a chain of K proposals, K chosen per round ("auto"), or a token tree (given, or
-the drafter's own); a tree that is a short chain runs as that chain; rounds deeper than the
-drafter can draft are refused. Each round graph then receives one :class:`RoundShape`, the
-single home of K, the tree, the Mode and what the buffers need for them.
+the drafter's own) run every round or, with ``num_speculative_tokens`` unset, chosen per
+window against K = 0 ("auto" for a tree, decision 68); a tree that is a short chain runs as
+that chain; rounds deeper than the drafter can draft are refused. Each round graph then receives
+one :class:`RoundShape`, the single home of K, the tree, the Mode and what the buffers need for
+them.
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from specfx.config import AUTO, MAX_SPECULATIVE_TOKENS, SpecConfig
+from specfx.config import AUTO, MAX_SPECULATIVE_TOKENS, SpecConfig, check_tree_k
 from specfx.drafters.base import branch_slots, shape_refusal
 from specfx.sampling.processors import GREEDY, Mode
 from specfx.trees.types import DynamicTree, TokenTree
 
-__all__ = ["Plan", "RoundShape", "plan_rounds"]
+__all__ = ["TREE", "Plan", "RoundShape", "plan_rounds"]
+
+TREE = None  # the key of a tree round in Plan.shapes (and of its time and windows in "auto")
 
 
 @dataclass(frozen=True)
@@ -73,9 +77,11 @@ class Plan:
     """The rounds a generator runs, decided once by :func:`plan_rounds`.
 
     ``config``: the SpecConfig as resolved (a drafter's own tree filled in, a short-chain tree
-    replaced by its K, the default "auto" with its values cut to the drafter's depth).
-    ``shapes``: the round shapes a call may run, keyed by K (0 included for "auto") or, for a
-    tree, the one shape under key None. ``auto``: K is chosen per round among ``shapes``.
+    replaced by its K, the default "auto" with its values cut to the drafter's depth, or
+    "auto" for a tree).
+    ``shapes``: the round shapes a call may run, keyed by K (0 included for "auto"); a tree's
+    under key :data:`TREE` (None), with K = 0 beside it when "auto" chooses between them.
+    ``auto``: the round is chosen per sync window among ``shapes``.
     """
 
     config: SpecConfig
@@ -102,27 +108,38 @@ class Plan:
         return max(s.max_accepted for s in self.shapes.values())
 
     def shape(self, k: int | None = None) -> RoundShape:
-        """The shape of K (a chain), or the default round (K None)."""
+        """The shape of K (a chain), or the default round (K None: the tree, else the largest K)."""
         return self.default if k is None else self.shapes[k]
 
 
 def plan_rounds(config: SpecConfig, drafter, target_runner) -> Plan:
     """Decide the rounds for ``drafter`` on ``target_runner``'s model; ValueError for a round
-    they cannot run (a tree the model or drafter refuses, a depth beyond the drafter's)."""
+    they cannot run (a tree the model or drafter refuses, a depth beyond the drafter's).
+
+    ``num_speculative_tokens`` says whether the round is fixed: an int runs a chain of K every
+    round, or the tree every round (the int is then its node count, as vLLM's
+    ``num_speculative_tokens`` with ``speculative_token_tree``); unset or "auto", the round is
+    chosen per sync window among K = 0 and a chain's ``auto_k_values``, or the tree."""
     own_tree = drafter.round_tree()  # a drafter that fixes the round's shape (lookahead)
     if own_tree is not None:
-        if config.tree is not None or config.num_speculative_tokens == AUTO:
+        if config.tree is not None:
             raise ValueError(
                 f"the {drafter.name} drafter fixes each round's shape itself ({own_tree.size} nodes); "
-                f"drop tree= and num_speculative_tokens='auto' (set the drafter's own parameters instead)."
+                f"drop tree= (set the drafter's own parameters instead)."
             )
+        check_tree_k(config.num_speculative_tokens, own_tree, f"draft={drafter.name!r}")
         config = dataclasses.replace(config, tree=own_tree)
     if branch_slots(drafter) and drafter.taps:  # taps are captured per forward shape (N + 1 tokens)
         raise ValueError(f"the {drafter.name} drafter both reads hidden-state taps and adds a branch; unsupported.")
     tree = config.tree
-    # a tree that is a short chain runs as that chain (a drafter's own tree always runs as a tree)
+    fixed = config.num_speculative_tokens not in (None, AUTO)
+    # a tree that is a short chain runs as that chain (a drafter's own tree always runs as a tree):
+    # every round when K is given, else "auto" between it and K = 0
     if own_tree is None and tree is not None and tree.is_chain and tree.size <= MAX_SPECULATIVE_TOKENS:
-        config, tree = dataclasses.replace(config, num_speculative_tokens=tree.size, tree=None), None
+        k = dict(num_speculative_tokens=tree.size)
+        if not fixed:
+            k = dict(num_speculative_tokens=AUTO, auto_k_values=(tree.size,))
+        config, tree = dataclasses.replace(config, tree=None, **k), None
     if tree is not None:
         for why in (target_runner.tree_refusal(), shape_refusal(drafter, tree)):
             if why is not None:
@@ -137,10 +154,26 @@ def plan_rounds(config: SpecConfig, drafter, target_runner) -> Plan:
         config = default_auto(config, drafter.max_depth)
     check_depth(config, tree, drafter)
     if tree is not None:
-        return Plan(config, {None: RoundShape.of_tree(tree, branch_slots(drafter))}, auto=False)
+        shapes = {TREE: RoundShape.of_tree(tree, branch_slots(drafter))}
+        if fixed:
+            return Plan(config, shapes, auto=False)
+        # "auto" for a tree: the tree or plain decoding, per window (decision 68)
+        config = dataclasses.replace(config, num_speculative_tokens=AUTO)
+        return Plan(config, {0: RoundShape.chain(0), **shapes}, auto=True)
     auto = config.num_speculative_tokens == AUTO
+    if auto:
+        check_chain_times(config.auto_k_times)
     ks = (0, *config.k_values) if auto else config.k_values
     return Plan(config, {k: RoundShape.chain(k) for k in ks}, auto=auto)
+
+
+def check_chain_times(times) -> None:
+    """The "auto" of chains needs the time of at least one K >= 1 (key None is a tree's)."""
+    if times is not None and not any(k for k in times if k is not TREE):
+        raise ValueError(
+            f"speculate(auto_k_times={times}): 'auto' chooses a chain's K here, but the times hold none for "
+            f"a K >= 1 (key None is a tree round's time); add one, e.g. {{0: 1.0, 8: 2.5}}."
+        )
 
 
 def default_auto(config: SpecConfig, max_depth: int | None) -> SpecConfig:

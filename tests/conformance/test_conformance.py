@@ -128,7 +128,7 @@ TREE = TokenTree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])  # second chil
 @pytest.mark.parametrize("arch", tiered([a for a in SUPPORTED if a not in ROWWISE + TREE_SLOT_BIAS], REPRESENTATIVE))
 def test_tree_greedy_equals_hf(arch, one_thread):
     target, draft = _pair(arch)
-    spec = specfx.speculate(target, draft=draft, tree=TREE, compile=False)
+    spec = specfx.speculate(target, draft=draft, tree=TREE, num_speculative_tokens=TREE.size, compile=False)  # pinned
     no_eos = dict(eos_token_id=None)  # some tiny models emit EOS at once: rounds must run
     _check_greedy(spec, target, prompt(10, seed=3), None, 12, **no_eos)
     _check_greedy(spec, target, *_ragged(batch=2), 12, **no_eos)  # prompts of 8 and 10 tokens: past a window of 8
@@ -173,7 +173,7 @@ def test_rowwise_fallback_refuses_trees(arch):
 @pytest.mark.parametrize("arch", tiered([a for a in COMPILED_SUBSET if a not in ROWWISE], ("mixtral",)))
 def test_compiled_tree_greedy_equals_hf(arch, one_thread):
     target, draft = _pair(arch)
-    spec = specfx.speculate(target, draft=draft, tree=TREE)
+    spec = specfx.speculate(target, draft=draft, tree=TREE, num_speculative_tokens=TREE.size)  # the tree every round
     _check_greedy(spec, target, *_ragged(batch=2), 20)
     n = len(spec.graphs)
     _check_greedy(spec, target, *_ragged(batch=2, length=13), 16)  # new contents, same batch size

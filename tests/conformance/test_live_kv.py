@@ -81,7 +81,7 @@ def test_greedy_equals_hf_with_live_kv(arch, one_thread):
 @pytest.mark.parametrize("arch", tiered(TREE_MATRIX, DEFAULT_TREES))
 def test_tree_greedy_equals_hf_with_live_kv(arch, one_thread):
     target, draft = _pair(arch)
-    spec = specfx.speculate(target, draft=draft, tree=TREE, backend="specfx_eager", live_kv=16)
+    spec = specfx.speculate(target, draft=draft, tree=TREE, num_speculative_tokens=TREE.size, backend="specfx_eager", live_kv=16)
     no_eos = dict(eos_token_id=None)
     _check(spec, target, prompt(12, seed=3), None, 30, **no_eos)
     _check(spec, target, *left_padded(10, [2, 4, 0], seed=5), 24, **no_eos)
@@ -171,7 +171,7 @@ DEFAULT_DRAFTER_CASES = [("early_exit", "chain"), ("prompt_lookup", "tree"), ("e
 @pytest.mark.parametrize(("name", "shape"), tiered(DRAFTER_CASES, DEFAULT_DRAFTER_CASES, several=True))
 def test_drafters_with_live_kv(name, shape, one_thread):
     target, make = DRAFTERS[name]()
-    round_shape = dict(num_speculative_tokens=3) if shape == "chain" else dict(tree=TREE)
+    round_shape = dict(num_speculative_tokens=3) if shape == "chain" else dict(tree=TREE, num_speculative_tokens=TREE.size)
     spec = specfx.speculate(target, draft=make(target), backend="specfx_eager", live_kv=16, **round_shape)
     kwargs = dict(eos_token_id=None, pad_token_id=0)
     _check(spec, target, prompt(12, seed=3), None, 30, **kwargs)

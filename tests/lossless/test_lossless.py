@@ -128,7 +128,8 @@ BRANCHES = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
 def _tree_samples(target, draft, tree, **kwargs):
     """Speculative samples of the first NEW tokens after ``[1, 4, 2]`` with ``tree``, and the
     generator's stats."""
-    spec = specfx.speculate(target, draft=draft, tree=tree, **TREE_OPTIONS)
+    pinned = len(tree) if isinstance(tree, list) else tree.size  # num_speculative_tokens = the node count: every round
+    spec = specfx.speculate(target, draft=draft, tree=tree, num_speculative_tokens=pinned, **TREE_OPTIONS)
     torch.manual_seed(1234)
     ids = torch.tensor([[1, 4, 2]]).repeat(TREE_ROWS, 1)
     out = spec.generate(ids, do_sample=True, max_new_tokens=NEW, pad_token_id=0, **kwargs)

@@ -98,7 +98,8 @@ def build_methods(args, target, draft, batch: int, device) -> tuple[dict, dict]:
     for d in args.drafter_names:  # the shipped drafters side by side (module docstring)
         runs = [(str(k), dict(num_speculative_tokens=k)) for k in args.k_values]
         if args.tree_budget:
-            runs.append((f"tree{args.tree_budget}", dict(tree=drafter_tree(d, args.tree_budget))))
+            tree = drafter_tree(d, args.tree_budget)  # pinned: the tree every round, not "auto"'s choice
+            runs.append((f"tree{args.tree_budget}", dict(tree=tree, num_speculative_tokens=tree.size)))
         for label, how in runs:
             for compiled in (False, True) if not args.no_compile else (False,):
                 name = f"specfx_{'compiled' if compiled else 'eager'}[{d}]@{label}"

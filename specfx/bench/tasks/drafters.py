@@ -8,7 +8,8 @@ prompts (batch 1, one after another), the same number of new tokens, greedy, fp3
     specfx_k{K}      specfx.speculate(target, draft=PromptLookup(max_ngram=N), num_speculative_tokens=K)
     specfx_auto      the same with num_speculative_tokens="auto" (K per round among --auto-values)
     lookahead_W_N_G  specfx.speculate(target, draft=Lookahead(window=W, ngram=N, guesses=G)), one per
-                     --lookahead value (none with --lookahead none)
+                     --lookahead value (none with --lookahead none): the default, "auto" between
+                     the tree and K = 0 (decision 68)
 
 specfx generators are compiled (backend "specfx": passes + Inductor) unless ``--no-compile``.
 
@@ -173,7 +174,7 @@ def compile_every_k(specs) -> None:
     A round after a finished call is safe: it does the same work with its writes masked."""
     for spec in specs.values():
         if spec.auto_k is not None and spec.spec_config.compile:
-            for k in spec.spec_config.k_values:
+            for k in spec.plan.shapes:  # K = 0 and each K, or K = 0 and the tree (key None)
                 with torch.no_grad():  # as in generate(): grad mode is part of the graphs' guards
                     spec.round_fn(k)()
 

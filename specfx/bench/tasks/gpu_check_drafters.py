@@ -100,16 +100,23 @@ def drafter_cases():
         ("draft_model", lambda t, d: dict(draft=d, num_speculative_tokens=4)),
         ("prompt_lookup", lambda t, d: dict(draft="prompt_lookup", num_speculative_tokens=4)),
         ("early_exit", lambda t, d: dict(draft="early_exit:1", num_speculative_tokens=3)),
-        ("tree_draft_model", lambda t, d: dict(draft=d, tree=TREE)),
-        ("medusa_tree", lambda t, d: dict(medusa(t, d), tree=TREE, num_speculative_tokens=None)),
+        # trees pinned (num_speculative_tokens = the node count): the tree every round, never "auto"'s K = 0
+        ("tree_draft_model", lambda t, d: dict(draft=d, tree=TREE, num_speculative_tokens=TREE.size)),
+        ("medusa_tree", lambda t, d: dict(medusa(t, d), tree=TREE, num_speculative_tokens=TREE.size)),
         ("eagle_chain", lambda t, d: dict(draft=Eagle.random(t, seed=1), num_speculative_tokens=3)),
         (
             "eagle_dynamic_tree",
-            lambda t, d: dict(draft=Eagle.random(t, seed=1), tree=TokenTree.eagle2(budget=8, depth=3, branching=3)),
+            lambda t, d: dict(
+                draft=Eagle.random(t, seed=1), tree=TokenTree.eagle2(budget=8, depth=3, branching=3), num_speculative_tokens=8
+            ),
         ),
         (
             "eagle3_tree",
-            lambda t, d: dict(draft=Eagle3.random(t, draft_vocab_size=96, seed=1, layer_ids=[1, 2, 3]), tree=TREE),
+            lambda t, d: dict(
+                draft=Eagle3.random(t, draft_vocab_size=96, seed=1, layer_ids=[1, 2, 3]),
+                tree=TREE,
+                num_speculative_tokens=TREE.size,
+            ),
         ),
     ]
 

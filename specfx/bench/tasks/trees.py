@@ -181,9 +181,11 @@ def run(args, target, draft, encode, desc: str) -> int:
                 rows.append((b, shape, tree, seen[tree], seen[tree]))
                 continue
             seen[tree] = name
-            # a chain of <= 16 runs as num_speculative_tokens=B (the chain round)
+            # a chain of <= 16 runs as num_speculative_tokens=B (the chain round); pinned (K = the
+            # node count): every round runs the shape measured, never "auto"'s K = 0
             spec = specfx.speculate(
-                target, draft=draft, tree=tree, compile=not args.no_compile, prefill_buckets=(bucket,)
+                target, draft=draft, tree=tree, num_speculative_tokens=tree.size, compile=not args.no_compile,
+                prefill_buckets=(bucket,)
             )
             specs[name] = spec
             methods[name] = lambda ids, spec=spec: spec.generate(ids, **common)

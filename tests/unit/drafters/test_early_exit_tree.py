@@ -54,7 +54,7 @@ def test_tree_greedy_equals_generate(arch, name, one_thread, monkeypatch):
         return original(self, *args, tree=tree)
 
     monkeypatch.setattr(ExitGraph, "__call__", spy)
-    spec = specfx.speculate(target, draft="early_exit:2", tree=tree, compile=False)
+    spec = specfx.speculate(target, draft="early_exit:2", tree=tree, num_speculative_tokens=tree.size, compile=False)
     assert spec.tree == tree and isinstance(spec.drafter, TreeDrafting)
     ids = prompt(9, seed=3)
     assert torch.equal(spec.generate(ids, max_new_tokens=30), target.generate(ids, max_new_tokens=30))
@@ -81,7 +81,7 @@ def test_exit_equal_to_the_model_accepts_the_whole_rank0_path(one_thread):
         for block in target.model.layers[1:]:
             block.self_attn.o_proj.weight.zero_()
             block.mlp.down_proj.weight.zero_()
-    spec = specfx.speculate(target, draft="early_exit:1", tree=IRREGULAR, compile=False)
+    spec = specfx.speculate(target, draft="early_exit:1", tree=IRREGULAR, num_speculative_tokens=IRREGULAR.size, compile=False)
     ids, mask = left_padded(8, (0, 3), seed=6)
     kw = dict(attention_mask=mask, max_new_tokens=26, eos_token_id=None, pad_token_id=0)
     assert torch.equal(spec.generate(ids, **kw), target.generate(ids, **kw))
@@ -149,7 +149,7 @@ def test_level_captures_are_kept_per_shape_and_dropped_with_the_tree(one_thread)
 @pytest.mark.compiled
 def test_compiled_tree_round_is_one_graph_and_stays_warm(one_thread):
     target = _target("llama")
-    spec = specfx.speculate(target, draft="early_exit:1", tree=IRREGULAR, backend="specfx_eager")
+    spec = specfx.speculate(target, draft="early_exit:1", tree=IRREGULAR, num_speculative_tokens=IRREGULAR.size, backend="specfx_eager")
     ids, mask = left_padded(10, (0, 3), seed=7)
     kw = dict(attention_mask=mask, max_new_tokens=20, eos_token_id=None, pad_token_id=0)
     assert torch.equal(spec.generate(ids, **kw), target.generate(ids, **kw))

@@ -2,7 +2,7 @@
 definition, the Jacobi step against plain forwards of the sequences each column sees, the pool
 lookup on hand-made pools, greedy equality with plain greedy (batch 1, left-padded batch,
 several W/N/G, eager and one compiled round), pool hits on a small vocabulary, chi-square
-losslessness, and the refusals."""
+losslessness, "auto" between the tree and plain decoding, and the refusals."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ from transformers import LogitsProcessorList
 
 import specfx
 from specfx.drafters.lookahead import Lookahead, branch_layout, candidate_trie, pool_candidates
+from specfx.engine.auto_k import HOLD, MIN_EVIDENCE
 from specfx.passes.checks.no_host_sync import offending_nodes
 from specfx.trees.types import TreeTensors
-from tests.conftest import left_padded, pair, tiered
+from tests.conftest import left_padded, pair, prompt, tiered
 from tests.lossless.test_lossless import _chisquare, _exact, _models
 from tests.unit.drafters.test_prompt_lookup import _repeating_prompt
 
@@ -108,7 +109,7 @@ def test_jacobi_step_and_pool_update_match_plain_forwards(cfg, one_thread):
     w, n, g = cfg
     target = pair("llama", "self")[0]
     la = _Recording(w, n, g)
-    spec = specfx.speculate(target, draft=la, compile=False)
+    spec = specfx.speculate(target, draft=la, num_speculative_tokens=g * (n - 1), compile=False)  # the tree every round
     ids = _repeating_prompt(4, length=10)
     spec.generate(ids, max_new_tokens=8, do_sample=False)
     assert len(la.rounds) >= 3
@@ -134,7 +135,7 @@ def test_jacobi_step_and_pool_update_match_plain_forwards(cfg, one_thread):
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_greedy_equals_plain(arch, cfg, one_thread):
     target = pair(arch, "self")[0]
-    spec = specfx.speculate(target, draft=Lookahead(*cfg), compile=False)
+    spec = specfx.speculate(target, draft=Lookahead(*cfg), num_speculative_tokens=cfg[2] * (cfg[1] - 1), compile=False)
     assert spec.method == "lookahead"
     for seed, new in [(0, 30), (1, 17)]:
         ids = _repeating_prompt(seed)
@@ -162,7 +163,7 @@ def test_committed_kv_equals_a_fresh_prefill(arch, one_thread):
     from tests.unit.trees.test_tree import _assert_cache_matches, _fresh_kv
 
     target = pair(arch, "self")[0]
-    spec = specfx.speculate(target, draft="lookahead:4,3,3", compile=False)
+    spec = specfx.speculate(target, draft="lookahead:4,3,3", num_speculative_tokens=6, compile=False)
     ids, mask = left_padded(12, [4, 0, 2], seed=5, vocab=8)
     kw = dict(attention_mask=mask, max_new_tokens=30, eos_token_id=None, pad_token_id=0)
     assert torch.equal(spec.generate(ids, **kw), target.generate(ids, **kw))
@@ -218,8 +219,11 @@ def test_pool_hits_on_a_small_vocabulary(one_thread):
     ids = torch.tensor([[1, 4, 2, 1, 4]])
     expected = target.generate(ids, max_new_tokens=40, do_sample=False, pad_token_id=0)
     for cfg in [(4, 3, 2), (8, 4, 8)]:
-        spec = specfx.speculate(target, draft=Lookahead(*cfg), compile=False)
+        # "auto" on given times where the tree pays from τ = 1.2 (an int K cannot pin (8, 4, 8)'s
+        # 24 nodes: SpecConfig caps K at 16 before it knows the drafter's tree)
+        spec = specfx.speculate(target, draft=Lookahead(*cfg), auto_k_times={0: 1.0, None: 1.2}, compile=False)
         assert torch.equal(spec.generate(ids, max_new_tokens=40, do_sample=False, pad_token_id=0), expected)
+        assert set(spec.auto_k.history) == {None}  # the tree every round
         assert spec.stats.tokens_per_round > 1.5, (cfg, spec.stats)
         assert spec.stats.per_position[1] > 0  # two-token guesses accepted too
 
@@ -230,12 +234,71 @@ def test_sampling_matches_exact_distribution():
     target, _ = _models()
     prompt_ids = [1, 4, 2, 1, 4]
     probs = _exact(target, prompt_ids, LogitsProcessorList())
-    spec = specfx.speculate(target, draft=Lookahead(window=3, ngram=3, guesses=2), compile=False)
+    la = Lookahead(window=3, ngram=3, guesses=2)
+    spec = specfx.speculate(target, draft=la, num_speculative_tokens=4, compile=False)  # the tree every round
     torch.manual_seed(4321)
     out = spec.generate(torch.tensor([prompt_ids]).repeat(6000, 1), do_sample=True, max_new_tokens=3, pad_token_id=0)
     assert spec.stats.accepted > 500  # guesses were accepted, and rejected: both paths tested
     assert spec.stats.acceptance_rate < 0.95
     assert _chisquare(out[:, len(prompt_ids) :].tolist(), probs) > 1e-3
+
+
+# --------------------------------------------------------------------------- "auto": the tree or K = 0
+def test_auto_falls_back_to_plain_decoding_where_nothing_repeats(one_thread):
+    """On a random model's text the target agrees with no guess. Lookahead is resumable, so
+    "auto" (the default) chooses its first window on the prior: where the tree pays on it
+    (t(tree) / t(0) = 1.5 < τ 1.75) it runs MIN_EVIDENCE rounds, then K = 0, with one probe of the
+    tree after HOLD windows; where the prior says it does not (1.8) the call starts plainly and
+    probes; where even a full-depth path could not pay (3.0) the tree never runs. Given times,
+    so the choices do not depend on the load; output equals generate() throughout."""
+    target = pair("llama", "self")[0]
+    ids = prompt(8, seed=2)
+    kw = dict(max_new_tokens=40, eos_token_id=None, pad_token_id=0)
+    expected = target.generate(ids, **kw)
+    histories = {}
+    for tree_time in (1.5, 1.8, 3.0):
+        spec = specfx.speculate(target, draft="lookahead:4,3,2", auto_k_times={0: 1.0, None: tree_time}, compile=False)
+        assert spec.auto_k.resumable and spec.spec_config.num_speculative_tokens == "auto"
+        assert torch.equal(spec.generate(ids, **kw), expected)
+        assert spec.stats.accepted == 0, spec.stats  # the premise: nothing the pool guesses is right
+        assert spec.stats.proposed == 4 * spec.auto_k.history.count(None)
+        histories[tree_time] = spec.auto_k.history
+    on = MIN_EVIDENCE + HOLD + 1
+    assert histories[1.5][:on] == [None] * MIN_EVIDENCE + [0] * HOLD + [None]  # the tree (key None), K = 0, a probe
+    assert histories[1.8][: 1 + HOLD] == [0] * HOLD + [None] and histories[1.8].count(None) <= 3
+    assert set(histories[3.0]) == {0}  # (depth + 1) / t(tree) = 3 / 3.0 <= 1 / t(0): never
+
+
+def test_auto_keeps_the_tree_where_guesses_are_accepted(one_thread):
+    """On a 6-token vocabulary the Jacobi window soon finds the target's n-grams: τ̂ stays above
+    t(tree) / t(0), so every window runs the tree, as num_speculative_tokens = its node count
+    forces it to; both equal generate()."""
+    target, _ = _models()
+    ids = torch.tensor([[1, 4, 2, 1, 4]])
+    kw = dict(max_new_tokens=60, pad_token_id=0)
+    expected = target.generate(ids, **kw)
+    spec = specfx.speculate(target, draft="lookahead:4,3,2", auto_k_times={0: 1.0, None: 1.5}, compile=False)
+    assert torch.equal(spec.generate(ids, **kw), expected)
+    assert set(spec.auto_k.history) == {None} and spec.auto_k.tau > 1.5 and spec.stats.tokens_per_round > 1.5
+    fixed = specfx.speculate(target, draft="lookahead:4,3,2", num_speculative_tokens=4, compile=False)
+    assert fixed.auto_k is None and torch.equal(fixed.generate(ids, **kw), expected)
+    assert fixed.stats.emitted == spec.stats.emitted and fixed.stats.rounds == spec.stats.rounds  # the same rounds
+
+
+def test_auto_measures_both_rounds_and_its_times_reproduce_a_seeded_run(one_thread):
+    """Without given times the generator times the tree and K = 0 (keys None and 0) before its
+    first call; passing them as auto_k_times makes another generator choose the same rounds,
+    so seeded sampling reproduces."""
+    target, _ = _models()
+    ids = torch.tensor([[1, 4, 2, 1, 4]])
+    spec = specfx.speculate(target, draft="lookahead:4,3,2", compile=False)
+    kw = dict(do_sample=True, max_new_tokens=30, pad_token_id=0)
+    torch.manual_seed(3)
+    out, history = spec.generate(ids, **kw), list(spec.auto_k.history)
+    assert spec.auto_k.times.keys() == {0, None} and all(t > 0 for t in spec.auto_k.times.values())
+    other = specfx.speculate(target, draft="lookahead:4,3,2", auto_k_times=spec.auto_k.times, compile=False)
+    torch.manual_seed(3)
+    assert torch.equal(other.generate(ids, **kw), out) and other.auto_k.history == history
 
 
 # --------------------------------------------------------------------------- refusals
@@ -264,8 +327,9 @@ def test_named_and_refused_combinations():
         specfx.speculate(target, draft="lookahead:x", compile=False)
     with pytest.raises(ValueError, match=r"lookahead drafter fixes each round's shape itself"):
         specfx.speculate(target, draft="lookahead", tree=[(0,), (1,)], compile=False)
-    with pytest.raises(ValueError, match=r"lookahead drafter fixes each round's shape itself"):
-        specfx.speculate(target, draft="lookahead", num_speculative_tokens="auto", compile=False)
+    assert specfx.speculate(target, draft="lookahead", num_speculative_tokens="auto", compile=False).plan.auto
+    with pytest.raises(ValueError, match=r"each round verifies a tree of 4 nodes.* num_speculative_tokens=4"):
+        specfx.speculate(target, draft="lookahead", num_speculative_tokens=2, compile=False)
 
 
 def test_a_branch_with_taps_is_refused():
@@ -284,7 +348,8 @@ def test_compiled_lookahead_round(one_thread):
     compiles nothing: one graph) and on a left-padded batch of 2 (its own batch bucket: one
     more graph), no host-sync ops in either, guesses accepted."""
     target, _ = _models()
-    spec = specfx.speculate(target, draft=Lookahead(window=4, ngram=3, guesses=2), compile=True, background_compile=False)
+    la = Lookahead(window=4, ngram=3, guesses=2)
+    spec = specfx.speculate(target, draft=la, num_speculative_tokens=4, compile=True, background_compile=False)  # one graph: the tree
     kw = dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
     for prompt_ids in ([1, 4, 2, 1, 4], [3, 3, 5, 1, 2, 1]):
         ids = torch.tensor([prompt_ids])

@@ -158,7 +158,7 @@ def test_bad_tree_matches(value, pattern):
 @pytest.mark.parametrize("model", ["llama-random", "gpt2-copying"])
 def test_tree_greedy_equals_plain(model, tree, one_thread):
     target = MODELS[model]()
-    spec = specfx.speculate(target, draft="prompt_lookup", tree=TREES[tree], compile=False)
+    spec = specfx.speculate(target, draft="prompt_lookup", tree=TREES[tree], num_speculative_tokens=TREES[tree].size, compile=False)
     assert spec.tree == TREES[tree]
     for seed, new in [(0, 30), (1, 17)]:
         ids = _repeating_prompt(seed)
@@ -196,7 +196,7 @@ def test_tree_accepts_more_than_the_chain_where_earlier_continuations_differ(one
     assert expected[0, ids.shape[1] : ids.shape[1] + 5].tolist() == ids[0, 1:6].tolist(), "precondition: it copies"
     tau = {}
     for name, tree in [("chain", TokenTree.chain(4)), ("tree", TokenTree.topk(4, 2))]:
-        spec = specfx.speculate(target, draft="prompt_lookup", tree=tree, compile=False)
+        spec = specfx.speculate(target, draft="prompt_lookup", tree=tree, num_speculative_tokens=tree.size, compile=False)
         assert torch.equal(spec.generate(ids, max_new_tokens=24, do_sample=False), expected)
         tau[name] = spec.stats.tokens_per_round
     assert tau["tree"] > tau["chain"], tau
@@ -221,7 +221,7 @@ def test_tree_sampling_matches_exact_distribution():
     target, _ = _models()
     prompt_ids = [1, 4, 2, 1, 4]
     probs = _exact(target, prompt_ids, LogitsProcessorList())
-    spec = specfx.speculate(target, draft="prompt_lookup", tree=TokenTree.topk(2, 2), compile=False)
+    spec = specfx.speculate(target, draft="prompt_lookup", tree=TokenTree.topk(2, 2), num_speculative_tokens=6, compile=False)
     torch.manual_seed(4321)
     out = spec.generate(torch.tensor([prompt_ids]).repeat(6000, 1), do_sample=True, max_new_tokens=3, pad_token_id=0)
     assert 0.05 < spec.stats.acceptance_rate < 0.95
@@ -234,7 +234,7 @@ def test_compiled_prompt_lookup_tree_round(one_thread):
     """One Inductor-compiled tree round: greedy equality on two prompts, one graph, no
     host-sync ops."""
     target = _copying("llama")
-    spec = specfx.speculate(target, draft="prompt_lookup", tree=SMALL, compile=True, background_compile=False)
+    spec = specfx.speculate(target, draft="prompt_lookup", tree=SMALL, num_speculative_tokens=SMALL.size, compile=True, background_compile=False)
     for seed in (0, 1):
         ids = _repeating_prompt(seed, length=14)
         assert torch.equal(spec.generate(ids, max_new_tokens=24), target.generate(ids, max_new_tokens=24))

@@ -8,7 +8,7 @@ import torch
 from transformers import LogitsProcessorList
 
 import specfx
-from specfx.engine.auto_k import HOLD, MAX_HOLD, MIN_EVIDENCE, AutoK, expected_emitted, interpolate
+from specfx.engine.auto_k import HOLD, MAX_HOLD, MIN_EVIDENCE, TREE, AutoK, TreeAuto, expected_emitted, interpolate
 from tests.conftest import left_padded, pair, prompt
 from tests.lossless.test_lossless import _chisquare, _exact, _models
 from tests.unit.drafters.test_prompt_lookup import _copying, _repeating_prompt
@@ -123,6 +123,96 @@ def test_policy_restarts_from_the_prior_each_call():
     assert policy.k == start and policy.history == []
 
 
+# --------------------------------------------------------------------------- the policy for a tree
+def _feed_tree(policy: TreeAuto, accepted: int, windows: int, rows: int = 1) -> list:
+    """Windows of one round each in which every row's accepted path is ``accepted`` deep when
+    the tree runs (K = 0 rounds accept nothing); cumulative counters, as the device's. Returns
+    the round of each window (None: the tree)."""
+    counters = policy.__dict__.setdefault("_test_counters", [0, 0, [0] * policy.depth])
+    acc, rr, per_position = counters
+    ran = []
+    for _ in range(windows):
+        ran.append(policy.k)
+        rr += rows
+        if policy.k is TREE:
+            acc += rows * accepted
+            for i in range(accepted):
+                per_position[i] += rows
+        policy.update(acc, rr, per_position)
+    counters[:2] = acc, rr
+    return ran
+
+
+def test_tree_policy_keeps_the_tree_while_it_pays():
+    """τ̂ (emitted per row-round) 3 at depth 2 against t(tree) / t(0) = 1.8: the tree every window."""
+    policy = TreeAuto(depth=2, width=11, times={0: 1.0, TREE: 1.8})
+    assert policy.candidates == (0, TREE) and policy.k is TREE and policy.alpha is None
+    assert policy.tau == pytest.approx(expected_emitted(0.5, 2))  # the prior of a chain as deep
+    assert _feed_tree(policy, accepted=2, windows=30) == [TREE] * 30
+    assert policy.tau > 2.9 and not policy.off
+
+
+def test_tree_policy_falls_back_to_plain_decoding_when_the_tree_cannot_pay():
+    """Nothing accepted: K = 0 after MIN_EVIDENCE row-rounds (never before), then for the rest of
+    the call when the drafter keeps state; at once, and never probed, when even full acceptance
+    (depth + 1 tokens) could not pay."""
+    policy = TreeAuto(depth=2, width=11, times={0: 1.0, TREE: 1.8})
+    ran = _feed_tree(policy, accepted=0, windows=MIN_EVIDENCE + 3 * MAX_HOLD)
+    assert ran[:MIN_EVIDENCE] == [TREE] * MIN_EVIDENCE and set(ran[MIN_EVIDENCE:]) == {0}
+    assert policy.off and policy.tau < 1.1
+    for times in ({0: 1.0, TREE: 3.0}, {0: 1.0, 8: 3.0}):  # 3 / 3.0 <= 1 / 1.0 (given, or priced as a chain of 8)
+        unpaid = TreeAuto(depth=2, width=8, times=times, resumable=True)
+        assert unpaid.unpaid and _feed_tree(unpaid, accepted=2, windows=2 * MAX_HOLD) == [0] * 2 * MAX_HOLD
+    policy.reset()
+    assert policy.k is TREE and policy.history == []  # the next call starts from the prior
+
+
+def test_a_read_with_no_round_since_the_last_is_not_a_window():
+    """The host reads the counters once after prefill, before any round: that read must not
+    count as a K = 0 window (nor as evidence)."""
+    policy = TreeAuto(depth=2, width=11, times={0: 1.0, TREE: 1.8}, resumable=True)
+    for _ in range(3):
+        assert policy.update(0, 0, [0, 0]) == 0
+    assert policy.held == 0 and policy.evidence == 0
+
+
+def test_tree_policy_probes_a_resumable_drafter():
+    """Lookahead (resumable): the tree competes with K = 0 from the first window. The prior
+    (τ = 1.75 at depth 2) against t(tree) / t(0) = 1.8 says plain decoding: the call starts at
+    K = 0 and probes the tree after HOLD windows; nothing accepted doubles the wait (up to
+    MAX_HOLD), a probe that accepts the full depth brings the tree back."""
+    policy = TreeAuto(depth=2, width=11, times={0: 1.0, TREE: 1.8}, resumable=True)
+    assert policy.k == 0 and policy.off and not policy.unpaid
+    assert _feed_tree(policy, accepted=0, windows=HOLD + 1) == [0] * HOLD + [TREE]
+    hold = HOLD
+    for _ in range(4):
+        hold = min(2 * hold, MAX_HOLD)
+        assert policy.hold == hold and _feed_tree(policy, accepted=0, windows=hold) == [0] * hold
+        assert policy.k is TREE and _feed_tree(policy, accepted=0, windows=1) == [TREE]
+    assert policy.hold == MAX_HOLD
+    _feed_tree(policy, accepted=0, windows=MAX_HOLD)
+    assert _feed_tree(policy, accepted=2, windows=5) == [TREE] * 5 and not policy.off
+
+
+def test_tree_policy_starts_on_the_tree_where_the_prior_says_it_pays():
+    """t(tree) / t(0) = 1.5 < 1.75: a resumable drafter starts on the tree, which then runs
+    MIN_EVIDENCE row-rounds before the counts may turn it off (then probed); one whose tree
+    keeps accepting stays on it."""
+    policy = TreeAuto(depth=2, width=11, times={0: 1.0, TREE: 1.5}, resumable=True)
+    ran = _feed_tree(policy, accepted=0, windows=MIN_EVIDENCE + HOLD + 1)
+    assert ran == [TREE] * MIN_EVIDENCE + [0] * HOLD + [TREE]
+    paying = TreeAuto(depth=2, width=11, times={0: 1.0, TREE: 1.5}, resumable=True)
+    assert _feed_tree(paying, accepted=1, windows=20) == [TREE] * 20  # τ = 2 > 1.5
+
+
+def test_tree_round_time_given_measured_or_priced_as_a_chain():
+    assert TreeAuto(2, 11, times={0: 1.0, TREE: 1.7}).round_time(TREE) == 1.7
+    at_11 = 2.0 + 3.0 * 7 / 12  # the chain of the tree's 11 scratch slots, between K = 4 and 16
+    assert TreeAuto(2, 11, times={0: 1.0, 4: 2.0, 16: 5.0}).round_time(TREE) == pytest.approx(at_11)
+    assert TreeAuto(2, 11, cost=0.1).round_time(TREE) == pytest.approx(2.1)
+    assert AutoK((1, 2), times={0: 1.0, TREE: 9.0, 2: 2.0}).round_time(1) == 1.5  # a tree's time is no chain's point
+
+
 # --------------------------------------------------------------------------- generation
 def test_greedy_equals_generate_while_k_changes(one_thread):
     target = _copying("llama")  # copies (α -> 1) after entering its cycle; random before
@@ -225,8 +315,9 @@ def test_one_graph_per_k_and_no_recompiles(one_thread):
 # --------------------------------------------------------------------------- the default
 def test_auto_is_the_default_for_chains_cut_to_what_the_drafter_can_propose(one_thread):
     """num_speculative_tokens left out: "auto" among (0, 1, 2, 4, 8), or among the Ks Medusa's
-    heads reach; a tree (given, or lookahead's own) sets the round instead; an explicit K stays
-    that K. The graph cache scales with the Ks a round may use."""
+    heads reach; with a tree (given, or lookahead's own) "auto" between the tree and K = 0; an
+    explicit K stays that K (a tree's node count pins the tree). The graph cache scales with the
+    rounds a call may use."""
     target, draft = pair("llama", "small")
     spec = specfx.speculate(target, draft=draft, compile=False)
     assert spec.spec_config.num_speculative_tokens == "auto" and spec.spec_config.auto_k_values == (1, 2, 4, 8)
@@ -239,10 +330,13 @@ def test_auto_is_the_default_for_chains_cut_to_what_the_drafter_can_propose(one_
     kw = dict(max_new_tokens=20, eos_token_id=None, pad_token_id=0)
     assert torch.equal(heads.generate(ids, **kw), target.generate(ids, **kw))
     assert set(heads.auto_k.history) <= {0, 1, 2}
-    tree = specfx.speculate(target, draft=draft, tree=[(0,), (1,), (0, 0)], compile=False)
-    assert tree.auto_k is None and tree.tree is not None and tree.max_graphs == 16
+    tree = specfx.speculate(target, draft=draft, tree=[(0,), (1,), (0, 0)], compile=False)  # the tree or K = 0
+    assert tree.auto_k.candidates == (0, None) and tree.tree is not None and tree.max_graphs == 16 * 2
+    assert not tree.auto_k.resumable  # a draft model keeps a cache
+    pinned = specfx.speculate(target, draft=draft, tree=[(0,), (1,), (0, 0)], num_speculative_tokens=3, compile=False)
+    assert pinned.auto_k is None and pinned.max_graphs == 16
     lookahead = specfx.speculate(target, draft="lookahead:4,3,2", compile=False)
-    assert lookahead.auto_k is None and lookahead.tree is not None
+    assert lookahead.auto_k.candidates == (0, None) and lookahead.auto_k.resumable and lookahead.tree is not None
     fixed = specfx.speculate(target, draft=draft, num_speculative_tokens=4, compile=False)
     assert fixed.auto_k is None and fixed.k == 4 and fixed.max_graphs == 16
     assert specfx.speculate(target, draft=draft, compile=False, max_graphs=3).max_graphs == 3
@@ -303,6 +397,26 @@ def test_round_times_are_measured_once_per_shape_and_reproduce_elsewhere(one_thr
     fixed = specfx.speculate(target, num_speculative_tokens="auto", auto_k_cost=0.5, compile=False)
     fixed.generate(ids, max_new_tokens=5)
     assert fixed.auto_k.cost == 0.5 and fixed.auto_k.times is None
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_given_tree_falls_back_to_plain_decoding_and_stays_there(one_thread, batch):
+    """tree= with num_speculative_tokens unset: "auto" between the tree and K = 0. An independent
+    random draft model accepts almost nothing: the tree runs until MIN_EVIDENCE row-rounds, then
+    K = 0 for the rest of the call (the draft's cache lags: never probed). Output equals
+    generate(); pinned (num_speculative_tokens = the node count) the tree runs every round."""
+    target, draft = pair("llama", "small")
+    ids, mask = left_padded(10, (4, 0, 7)[:batch], seed=4) if batch > 1 else (prompt(8, seed=2), None)
+    kw = dict(attention_mask=mask, max_new_tokens=40, eos_token_id=None, pad_token_id=0)
+    expected = target.generate(ids, **kw)
+    nodes = [(0,), (1,), (0, 0), (1, 0)]
+    spec = specfx.speculate(target, draft=draft, tree=nodes, auto_k_times={0: 1.0, None: 1.5}, compile=False)
+    assert torch.equal(spec.generate(ids, **kw), expected)
+    history = spec.auto_k.history
+    on = -(-MIN_EVIDENCE // batch)  # windows until MIN_EVIDENCE row-rounds
+    assert history[:on] == [None] * on and set(history[on:]) == {0} and len(history) > on
+    pinned = specfx.speculate(target, draft=draft, tree=nodes, num_speculative_tokens=4, compile=False)
+    assert torch.equal(pinned.generate(ids, **kw), expected) and pinned.stats.proposed == 4 * pinned.stats.row_rounds
 
 
 @pytest.mark.parametrize("batch", [1, 3])

@@ -311,7 +311,7 @@ def test_compiled_tree_round_with_taps_is_one_graph_and_stays_warm(one_thread):
     target = tiny_causal_lm("llama", num_layers=3, seed=5)
     drafter = _TappingLookup()
     tree = TokenTree([(0,), (1,), (0, 0)])
-    spec = specfx.speculate(target, draft=drafter, tree=tree, backend="specfx_eager")
+    spec = specfx.speculate(target, draft=drafter, tree=tree, num_speculative_tokens=tree.size, backend="specfx_eager")
     ids, mask = left_padded(10, (0, 3), seed=7)
     kw = dict(attention_mask=mask, max_new_tokens=12, eos_token_id=None, pad_token_id=0)
     assert torch.equal(spec.generate(ids, **kw), target.generate(ids, **kw))

@@ -161,7 +161,7 @@ def test_greedy_equals_hf(spec, one_thread):
     for ids, mask in cases:
         wants.append(target.generate(ids, attention_mask=mask, **kwargs))
     table = hinted(bigram_of(target, vocab), torch.cat([w[:, -20:] for w in wants]))
-    spec_gen = specfx.speculate(target, draft=Bigram(table), tree=spec, compile=False)
+    spec_gen = specfx.speculate(target, draft=Bigram(table), tree=spec, num_speculative_tokens=spec.size, compile=False)
     for (ids, mask), want in zip(cases, wants, strict=True):
         assert torch.equal(spec_gen.generate(ids, attention_mask=mask, **kwargs), want)
     per_depth = spec_gen.cumulative_stats.per_depth
@@ -174,7 +174,8 @@ def test_sampling_matches_exact_distribution(case):
     kwargs, warpers = CASES[case]
     probs = _exact(target, [1, 4, 2], warpers)
     spec = specfx.speculate(
-        target, draft=Bigram(bigram_of(draft, 6)), tree=DynamicTree(6, 3, 2), compile=False, min_capacity=16, prefill_buckets=(4,)
+        target, draft=Bigram(bigram_of(draft, 6)), tree=DynamicTree(6, 3, 2), num_speculative_tokens=6, compile=False,
+        min_capacity=16, prefill_buckets=(4,)
     )
     torch.manual_seed(1234)
     out = spec.generate(torch.tensor([[1, 4, 2]]).repeat(8192, 1), do_sample=True, max_new_tokens=3, pad_token_id=0, **kwargs)
@@ -188,7 +189,8 @@ def test_compiled_one_graph(one_thread):
     target = _llama()
     vocab = target.config.vocab_size
     # traced by Dynamo with specfx's passes (EAGLE's dynamic tree runs under Inductor in test_eagle.py)
-    spec = specfx.speculate(target, draft=Bigram(bigram_of(target, vocab)), tree=DynamicTree(8, 3, 3), backend="specfx_eager")
+    tree = DynamicTree(8, 3, 3)
+    spec = specfx.speculate(target, draft=Bigram(bigram_of(target, vocab)), tree=tree, num_speculative_tokens=8, backend="specfx_eager")
     for length, pads in [(10, [0, 2]), (13, [4, 0])]:
         ids, mask = left_padded(length, pads, seed=length)
         kwargs = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)

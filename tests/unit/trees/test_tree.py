@@ -434,7 +434,7 @@ def test_committed_kv_equals_a_fresh_prefill(arch, padded, monkeypatch, one_thre
     real_accept = tree_round.tree_accept
     monkeypatch.setattr(tree_round, "tree_accept", recording)
     tree = TokenTree.topk(depth=3, branching=2)  # node (1, 1, 1) is node 14, slot L + 14 -> L + 3
-    spec = specfx.speculate(target, draft=SecondBestDraft(perturbed), tree=tree, compile=False)
+    spec = specfx.speculate(target, draft=SecondBestDraft(perturbed), tree=tree, num_speculative_tokens=tree.size, compile=False)
     ids, mask = left_padded(11, [4, 0, 2], seed=2) if padded else (prompt(11, seed=2), None)
     kw = dict(max_new_tokens=24, do_sample=False, attention_mask=mask)
     assert torch.equal(spec.generate(ids, **kw), target.generate(ids, **kw))
@@ -483,7 +483,7 @@ def test_greedy_equals_generate(shape, one_thread):
     """Batch 1 and a left-padded batch (llama); batch 1 with learned positions (gpt2)."""
     tree = TREES[shape]
     target, draft = pair("llama", "perturbed")
-    spec = specfx.speculate(target, draft=draft, tree=tree, compile=False)
+    spec = specfx.speculate(target, draft=draft, tree=tree, num_speculative_tokens=tree.size, compile=False)
     assert spec.tree == tree
     ids = prompt(12, seed=3)
     kw = dict(max_new_tokens=30, do_sample=False)
@@ -494,7 +494,7 @@ def test_greedy_equals_generate(shape, one_thread):
     assert torch.equal(spec.generate(ids, **kw), target.generate(ids, **kw))
     assert len(spec.stats.per_row_accepted) == 3 and min(spec.stats.per_row_accepted) > 0
     gpt2, gpt2_draft = pair("gpt2", "perturbed")
-    spec = specfx.speculate(gpt2, draft=gpt2_draft, tree=tree, compile=False)
+    spec = specfx.speculate(gpt2, draft=gpt2_draft, tree=tree, num_speculative_tokens=tree.size, compile=False)
     ids = prompt(9, seed=6)
     assert torch.equal(spec.generate(ids, max_new_tokens=20), gpt2.generate(ids, max_new_tokens=20))
 
@@ -504,7 +504,7 @@ def test_eos_min_new_tokens_and_penalty_with_a_tree(one_thread):
     min_new_tokens suppresses it at the right depth, and the repetition penalty counts the
     tokens on each node's path: all as generate() does."""
     target, draft = pair("llama", "perturbed")
-    spec = specfx.speculate(target, draft=draft, tree=TREES["7"], compile=False)
+    spec = specfx.speculate(target, draft=draft, tree=TREES["7"], num_speculative_tokens=7, compile=False)
     ids, mask = left_padded(10, [3, 0, 5], seed=4)
     plain = target.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
     eos = [int(plain[0, 15]), int(plain[1, 13])]
@@ -535,8 +535,8 @@ def test_drafters_that_cannot_branch_are_refused():
 
     with pytest.raises(ValueError, match=r"speculate\(tree=...\): the chain_only drafter drafts a chain only"):
         specfx.speculate(target, draft=ChainOnly(), tree=SIX, compile=False)
-    with pytest.raises(ValueError, match=r"'auto' .* cannot be combined with tree="):
-        specfx.speculate(target, draft=target, tree=SIX, num_speculative_tokens="auto", compile=False)
+    with pytest.raises(ValueError, match=r"tree of 6 nodes, and with a tree num_speculative_tokens is its node count"):
+        specfx.speculate(target, draft=target, tree=SIX, num_speculative_tokens=2, compile=False)
 
 
 # --------------------------------------------------------------------------- compiled
@@ -546,7 +546,7 @@ def test_compiled_tree_round_is_one_graph_without_recompiles(one_thread):
     the captured graph, so the passes run without Inductor (``specfx_eager``); the Inductor
     compile of a tree round is in tests/conformance/test_conformance.py (gemma2)."""
     target, draft = pair("llama", "perturbed")
-    spec = specfx.speculate(target, draft=draft, tree=TREES["7"], compile=True, backend="specfx_eager")
+    spec = specfx.speculate(target, draft=draft, tree=TREES["7"], num_speculative_tokens=7, backend="specfx_eager")
     for length, new in [(9, 20), (13, 26)]:
         ids = prompt(length, seed=length)
         assert torch.equal(spec.generate(ids, max_new_tokens=new), target.generate(ids, max_new_tokens=new))

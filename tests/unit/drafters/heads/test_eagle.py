@@ -28,7 +28,12 @@ from tests.lossless.test_lossless import NEW, ROWS, _chisquare, _exact
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "mixtral")
 TREE = TokenTree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
 DYNAMIC = TokenTree.eagle2(budget=8, depth=3, branching=3)
-MODES = {"chain": dict(num_speculative_tokens=3), "tree": dict(tree=TREE), "dynamic": dict(tree=DYNAMIC)}
+# num_speculative_tokens = a tree's node count pins it: every round, never "auto"'s K = 0
+MODES = {
+    "chain": dict(num_speculative_tokens=3),
+    "tree": dict(tree=TREE, num_speculative_tokens=TREE.size),
+    "dynamic": dict(tree=DYNAMIC, num_speculative_tokens=DYNAMIC.size),
+}
 
 _targets = {}
 

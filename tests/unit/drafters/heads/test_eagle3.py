@@ -43,7 +43,12 @@ TAPS = [1, 2, 3]  # inputs of decoder layers 1, 2, 3 (vLLM's convention)
 DRAFT_VOCAB = 100  # of the tiny targets' 128: a reduced draft vocabulary everywhere
 TREE = TokenTree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
 DYNAMIC = TokenTree.eagle2(budget=8, depth=3, branching=3)  # EAGLE-2: grown per row and round
-SHAPES = {"chain": dict(num_speculative_tokens=3), "tree": dict(tree=TREE), "dynamic": dict(tree=DYNAMIC)}
+# num_speculative_tokens = a tree's node count pins it: every round, never "auto"'s K = 0
+SHAPES = {
+    "chain": dict(num_speculative_tokens=3),
+    "tree": dict(tree=TREE, num_speculative_tokens=TREE.size),
+    "dynamic": dict(tree=DYNAMIC, num_speculative_tokens=DYNAMIC.size),
+}
 
 # the engines' rules on these heads (SafeAILab reads no tap ids) are checked in test_head_engines.py
 pytestmark = pytest.mark.filterwarnings("ignore::specfx.drafters.heads.checkpoint.HeadLayoutWarning")

@@ -43,6 +43,7 @@ from tests.lossless.test_lossless import _models as lossless_models
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "mixtral")
 HEADS, LAYERS = 4, 1
 TREE = TokenTree([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])  # depth 3, second/third children
+PINNED = dict(tree=TREE, num_speculative_tokens=TREE.size)  # the tree every round, never "auto"'s K = 0
 NEW_TOKENS = 30
 FITTED = 16  # continuation tokens (per sequence) the fitted heads are fitted on
 NO_EOS = dict(do_sample=False, eos_token_id=None)  # some tiny models emit EOS at once: rounds must run
@@ -180,7 +181,7 @@ def test_greedy_equals_hf(arch, tmp_path, one_thread):
     path = _fitted(target, sequences, tmp_path / "heads", layout)
     # the tiny gemma2 repeats one token forever: there every head is right and nothing is rejected
     repeats = all(len(set(seq[p:].tolist())) == 1 for p, seq in sequences)
-    for shape in (dict(num_speculative_tokens=3), dict(tree=TREE)):
+    for shape in (dict(num_speculative_tokens=3), PINNED):
         spec = specfx.speculate(target, draft=f"medusa:{path}", compile=False, **shape)
         assert spec.method == "medusa"
         for ids, mask in cases:
@@ -197,7 +198,7 @@ def test_tree_accepts_second_children(tmp_path, one_thread):
     cases = _greedy_cases("llama")
     path = _fitted(target, _sequences(target, cases), tmp_path / "heads")
     depth1 = {}
-    for key, shape in (("chain", dict(num_speculative_tokens=3)), ("tree", dict(tree=TREE))):
+    for key, shape in (("chain", dict(num_speculative_tokens=3)), ("tree", PINNED)):
         spec = specfx.speculate(target, draft=Medusa(path), compile=False, **shape)
         for ids, mask in cases:
             _check_greedy(spec, target, ids, mask)
@@ -216,7 +217,7 @@ def test_vocabulary_smaller_than_the_target_lm_head(tmp_path, one_thread):
     spec = specfx.speculate(target, draft=heads, num_speculative_tokens=4, compile=False)
     _check_greedy(spec, target, prompt(12, seed=3), None)
     assert heads.log and all(int(p.max()) < 100 for *_, p in heads.log)
-    spec = specfx.speculate(target, draft=heads, tree=TREE, compile=False)
+    spec = specfx.speculate(target, draft=heads, **PINNED, compile=False)
     _check_greedy(spec, target, prompt(12, seed=3), None)
     assert all(int(p.max()) < 100 for *_, p in heads.log)
 
@@ -251,7 +252,7 @@ def test_proposals_match_a_reference_forward(layout, tmp_path, one_thread):
     path = _write(tmp_path / "heads", layout, _random_blocks(n, m, 64, seed=3), [torch.randn(128, 64, generator=g) for _ in range(n)])
     blocks, lm_heads = _read(path, layout)
     ids = prompt(12, seed=3)
-    for shape in (dict(num_speculative_tokens=4), dict(tree=TREE)):
+    for shape in (dict(num_speculative_tokens=4), PINNED):
         heads = Recording(path)
         spec = specfx.speculate(target, draft=heads, compile=False, **shape)
         out = spec.generate(ids, max_new_tokens=20, **NO_EOS)
@@ -313,7 +314,7 @@ def test_compiled_greedy_equals_hf(tmp_path, one_thread):
     target = _target("llama")
     cases = [left_padded(10, [2, 0], seed=5), left_padded(13, [3, 0], seed=6)]
     path = _fitted(target, _sequences(target, cases, new=20), tmp_path / "heads")
-    for shape in (dict(num_speculative_tokens=3, backend="specfx_eager"), dict(tree=TREE, background_compile=False)):
+    for shape in (dict(num_speculative_tokens=3, backend="specfx_eager"), dict(PINNED, background_compile=False)):
         spec = specfx.speculate(target, draft=f"medusa:{path}", **shape)
         _check_greedy(spec, target, *cases[0], new=20)
         n = len(spec.graphs)

@@ -231,3 +231,15 @@ def test_the_switch_interval_is_short_only_while_a_worker_compiles():
         assert compiler.wait(timeout=30) and sys.getswitchinterval() == pytest.approx(0.002)
     finally:
         sys.setswitchinterval(saved)
+
+
+def test_a_tree_under_auto_compiles_in_the_background_too(target, one_thread):
+    spec = specfx.speculate(target, draft="lookahead", backend="specfx_eager", background_compile=True)
+    ref = target.generate(PROMPT, max_new_tokens=24)
+    hold = Hold(spec)
+    assert torch.equal(spec.generate(PROMPT, max_new_tokens=24), ref)  # provisional times for K = 0 and the tree
+    assert {key[3] for key in spec.compiling if key[0] == "round"} == {0, spec.tree}
+    hold.release.set()
+    assert spec.wait_for_graphs(timeout=120)
+    assert set(spec.auto_k.times) == {0, None}
+    assert torch.equal(spec.generate(PROMPT, max_new_tokens=24), ref)

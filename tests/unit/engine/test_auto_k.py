@@ -22,23 +22,29 @@ def test_expected_emitted_is_the_truncated_geometric_mean(alpha, k):
     assert expected_emitted(alpha, k) == pytest.approx(sum(alpha**i for i in range(k + 1)))
 
 
-def _feed(policy: AutoK, accept_all: bool, windows: int, rows: int = 1) -> list[int]:
-    """Simulate windows of one round each: every row accepts all K, or none. Returns the K of
-    each window. The counters are cumulative over the policy's call, as the device's are."""
-    counters = policy.__dict__.setdefault("_test_counters", [0, 0, [0] * max(policy.k_values)])
+def _run(policy: AutoK, accepted_of, windows: int, rows: int) -> list:
+    """Simulate windows of one round each in which every row accepts ``accepted_of(K)`` of the
+    round's proposals (K None: the tree). Returns the round of each window. The counters are
+    cumulative over the policy's call, as the device's are."""
+    positions = policy.depth if isinstance(policy, TreeAuto) else max(policy.k_values)
+    counters = policy.__dict__.setdefault("_test_counters", [0, 0, [0] * positions])
     acc, rr, per_position = counters
-    ks = []
+    ran = []
     for _ in range(windows):
-        k = policy.k
-        ks.append(k)
+        ran.append(policy.k)
         rr += rows
-        if accept_all:
-            acc += rows * k
-            for i in range(k):
-                per_position[i] += rows
+        accepted = accepted_of(policy.k)
+        acc += rows * accepted
+        for i in range(accepted):
+            per_position[i] += rows
         policy.update(acc, rr, per_position)
     counters[:2] = acc, rr
-    return ks
+    return ran
+
+
+def _feed(policy: AutoK, accept_all: bool, windows: int, rows: int = 1) -> list[int]:
+    """Windows in which every row accepts all K, or none."""
+    return _run(policy, lambda k: k if accept_all else 0, windows, rows)
 
 
 def test_policy_moves_to_the_largest_k_when_everything_is_accepted():
@@ -125,22 +131,9 @@ def test_policy_restarts_from_the_prior_each_call():
 
 # --------------------------------------------------------------------------- the policy for a tree
 def _feed_tree(policy: TreeAuto, accepted: int, windows: int, rows: int = 1) -> list:
-    """Windows of one round each in which every row's accepted path is ``accepted`` deep when
-    the tree runs (K = 0 rounds accept nothing); cumulative counters, as the device's. Returns
-    the round of each window (None: the tree)."""
-    counters = policy.__dict__.setdefault("_test_counters", [0, 0, [0] * policy.depth])
-    acc, rr, per_position = counters
-    ran = []
-    for _ in range(windows):
-        ran.append(policy.k)
-        rr += rows
-        if policy.k is TREE:
-            acc += rows * accepted
-            for i in range(accepted):
-                per_position[i] += rows
-        policy.update(acc, rr, per_position)
-    counters[:2] = acc, rr
-    return ran
+    """Windows in which every row's accepted path is ``accepted`` deep when the tree runs (K = 0
+    rounds accept nothing). Returns the round of each window (None: the tree)."""
+    return _run(policy, lambda k: accepted if k is TREE else 0, windows, rows)
 
 
 def test_tree_policy_keeps_the_tree_while_it_pays():

@@ -108,7 +108,7 @@ def test_sampling_run(arch, one_thread):
 @pytest.mark.parametrize("arch", tiered(COMPILED_SUBSET, ("gemma2",)))
 def test_compiled_greedy_equals_hf(arch, one_thread):
     target, draft = _pair(arch)
-    spec = specfx.speculate(target, draft=draft, num_speculative_tokens=3)
+    spec = specfx.speculate(target, draft=draft, num_speculative_tokens=3, background_compile=False)
     ids, mask = _ragged(batch=2)
     _check_greedy(spec, target, ids, mask, 30)
     n = len(spec.graphs)
@@ -173,7 +173,9 @@ def test_rowwise_fallback_refuses_trees(arch):
 @pytest.mark.parametrize("arch", tiered([a for a in COMPILED_SUBSET if a not in ROWWISE], ("mixtral",)))
 def test_compiled_tree_greedy_equals_hf(arch, one_thread):
     target, draft = _pair(arch)
-    spec = specfx.speculate(target, draft=draft, tree=TREE, num_speculative_tokens=TREE.size)  # the tree every round
+    spec = specfx.speculate(  # the tree every round, compiled in the caller's thread (graphs counted below)
+        target, draft=draft, tree=TREE, num_speculative_tokens=TREE.size, background_compile=False
+    )
     _check_greedy(spec, target, *_ragged(batch=2), 20)
     n = len(spec.graphs)
     _check_greedy(spec, target, *_ragged(batch=2, length=13), 16)  # new contents, same batch size

@@ -52,7 +52,7 @@ def test_compiled_round(shape, kind, arch, one_thread):
     target = tiny_causal_lm(arch, num_layers=4)
     tree = TREES[kind]  # pinned: num_speculative_tokens = its node count
     round_shape = dict(num_speculative_tokens=3) if shape == "chain" else dict(tree=tree, num_speculative_tokens=tree.size)
-    spec = specfx.speculate(target, draft=_head(kind, target), backend=BACKEND, **round_shape)
+    spec = specfx.speculate(target, draft=_head(kind, target), backend=BACKEND, background_compile=False, **round_shape)
     kwargs = dict(max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
     for length, pads in [(10, (0, 3)), (7, (2, 0))]:  # the second call: new contents, same shapes
         ids, mask = left_padded(length, pads, seed=length)

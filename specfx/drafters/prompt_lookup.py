@@ -92,7 +92,10 @@ def continuations(tokens: torch.Tensor, lengths: torch.Tensor, ends: torch.Tenso
     is the token at ``e_j + 1 + (i mod (L - e_j))``: the copy continues, and where it would run
     past ``L`` it repeats with the period ``L - e_j`` the match implies."""
     b, m = ends.shape
-    period = lengths.unsqueeze(1) - ends  # [B, M] >= 1
+    # [B, M] >= 1 already; clamped because Inductor's vectorised CPU code checks every lane of an
+    # integer remainder for a zero divisor, the masked tail lanes (loaded as 0) included: the
+    # sampling round at batch 8 raised ZeroDivisionError (session 12)
+    period = (lengths.unsqueeze(1) - ends).clamp_min(1)
     i = torch.arange(k, device=tokens.device).view(1, 1, k)
     pos = ends.unsqueeze(-1) + 1 + torch.remainder(i, period.unsqueeze(-1))  # [B, M, K]
     return tokens.gather(1, pos.view(b, m * k)).view(b, m, k)

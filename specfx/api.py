@@ -230,14 +230,13 @@ class SpeculativeGenerator:
         Compiling in the background (decision 67), a round not compiled yet runs eagerly while
         it compiles, unless ``now`` (compile it here, or wait for the compile under way)."""
         impl = SpeculativeGenerator._round_impl if kind == "round" else SpeculativeGenerator._prefill_impl
-        eager = types.MethodType(impl, self)
         if not (self.spec_config.compile and (kind == "round" or self.spec_config.compile_prefill)):
-            return eager
+            return types.MethodType(impl, self)
         self._prepare_taps(shape, bucket)
         what = shape.graph_id if kind == "round" else (bucket, shape.mode, shape.collect)
         args = (shape,) if kind == "round" and not now else None
         fn = self.graph_cache.variant(self.graph_key(kind, *what), impl, self, args)
-        return eager if fn is None else fn
+        return types.MethodType(impl, self) if fn is None else fn  # None: still compiling, run it eagerly
 
     def wait_for_graphs(self, timeout: float | None = None) -> bool:
         """Wait until the round graphs compiling in the background (``SpecConfig.background_compile``,

@@ -91,7 +91,9 @@ class TapCaptures:
         key = self.key(ids.shape[0], ids.shape[1], tree, taps)
         graph = self.graphs.get(key)
         if graph is None:
-            if torch.compiler.is_compiling():
+            # not torch.compiler.is_compiling(): that is one process-wide flag, True while any thread
+            # compiles (a background compile, decision 67); this one is True only in Dynamo's trace
+            if torch.compiler.is_dynamo_compiling():
                 raise RuntimeError(
                     f"specfx internal error: forward(taps={tuple(taps)}) inside a compiled graph for a shape "
                     f"(batch, tokens, capacity, tree, taps) = {key} that was not captured beforehand; "

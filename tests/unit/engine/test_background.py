@@ -243,3 +243,24 @@ def test_a_tree_under_auto_compiles_in_the_background_too(target, one_thread):
     assert spec.wait_for_graphs(timeout=120)
     assert set(spec.auto_k.times) == {0, None}
     assert torch.equal(spec.generate(PROMPT, max_new_tokens=24), ref)
+
+
+def test_eager_rounds_capture_taps_while_another_thread_compiles(target, one_thread):
+    """torch holds one process-wide "compiling" flag (``torch.compiler.is_compiling()``) while any
+    thread compiles. An EAGLE-3 head's eager prefill of a new prompt width captures the target's
+    tapped forward then; that must not be taken for a capture inside a compiled graph (found on
+    SmolLM2: the shipped head's second call raised while the worker compiled)."""
+    head = specfx.Eagle3.random(target, draft_vocab_size=64, seed=0, layer_ids=[0, 1, 2])
+    spec = specfx.speculate(target, draft=head, backend=CountingBackend(), background_compile=True)
+    hold = Hold(spec)  # nothing compiles: every round and prefill runs eagerly
+    longer = torch.cat([PROMPT, PROMPT], dim=1)
+    old = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True  # as while the worker (or any thread) is in Dynamo
+    try:
+        assert torch.compiler.is_compiling()
+        for prompt in (PROMPT, longer):  # a new prefill width each: a new tapped capture
+            assert torch.equal(spec.generate(prompt, max_new_tokens=8), target.generate(prompt, max_new_tokens=8))
+    finally:
+        torch.compiler._is_compiling_flag = old
+        hold.release.set()
+    assert spec.wait_for_graphs(timeout=120)

@@ -3,7 +3,7 @@
 The prompts are the chat suite's (``specfx/bench/prompts/suite.jsonl``: 8 kinds x 8 prompts),
 which no training prompt repeats (``specfx.train.chat_prompts.check_disjoint``). Each kind's
 prompts run as one left-padded batch, greedy, eager (τ does not depend on compiling), once per
-setting: K = 2, 4, 8 and an EAGLE-2 tree of 16 nodes; every output is checked against HF
+setting: K = 2, 4, 8 and an EAGLE-2 tree of 16 nodes (pinned: every round); every output is checked against HF
 ``generate()``'s (fp32) and a mismatch fails the run. Prints a table and writes JSON.
 
     python benchmarks/head_tau.py --head specfx/demo/smollm2_eagle3 --out runs/head_tau.json
@@ -30,13 +30,16 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=8, help="prompts per kind (default all 8)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--only", action="append", default=None, help="run only these settings (K=2, K=4, K=8, tree16)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, tok = load_smollm2()
     suite = load_suite()
     settings = {f"K={k}": {"num_speculative_tokens": k} for k in (2, 4, 8)}
-    settings["tree16"] = {"tree": specfx.TokenTree.eagle2(budget=16)}
+    tree = specfx.TokenTree.eagle2(budget=16)
+    settings["tree16"] = {"tree": tree, "num_speculative_tokens": tree.size}  # pinned: unset is "auto" (tree or K=0)
+    settings = {n: kw for n, kw in settings.items() if not args.only or n in args.only}
     rows, failures, start = {kind: {} for kind in suite}, 0, time.monotonic()
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
     inputs, refs = {}, {}

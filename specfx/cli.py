@@ -78,8 +78,9 @@ def _demo_parser(sub) -> argparse.ArgumentParser:
     d.add_argument("--k", type=int, default=None, help="K, proposals per round (default: 'auto'; --pair: 4)")
     d.add_argument(
         "--draft", default=None, metavar="NAME",
-        help="the drafter: prompt_lookup (the default for SmolLM2), lookahead, or a head directory (or kind:DIR, "
-        "kind eagle3, eagle or medusa); --pair: draft (the default), eagle3, eagle or medusa",
+        help="the drafter: prompt_lookup (the default for SmolLM2), lookahead, eagle3 (the EAGLE-3 head shipped for "
+        "SmolLM2), or a head directory (or kind:DIR, kind eagle3, eagle or medusa); --pair: draft (the default), "
+        "eagle3, eagle or medusa",
     )  # fmt: skip
     d.add_argument(
         "--prompt-lookup-num-tokens", type=int, default=10, metavar="N",

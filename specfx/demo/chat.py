@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from specfx.demo.smollm2 import SMOLLM2_EAGLE3_DIR
 from specfx.demo.stream import PrintingMarkingStreamer, marks
 
 __all__ = ["ChatPrompt", "CHAT_PROMPTS", "CHAT_DEFAULTS", "HEAD_KINDS", "chat_ids", "head_kind", "resolve_draft",
@@ -29,7 +30,7 @@ __all__ = ["ChatPrompt", "CHAT_PROMPTS", "CHAT_DEFAULTS", "HEAD_KINDS", "chat_id
 
 # the chat demo's defaults for the options the pair demo defaults differently (cli.py: None = this)
 CHAT_DEFAULTS = {"max_new_tokens": 128, "num_prompts": 4, "temperature": 0.7}
-NAMED = ("prompt_lookup", "lookahead")  # --draft names; anything else is a head directory
+NAMED = ("prompt_lookup", "lookahead", "eagle3")  # --draft names (eagle3: the shipped head); else a head directory
 HEAD_KINDS = ("eagle3", "eagle", "medusa")  # draft="kind:DIR" (specfx.drafters.registry)
 
 
@@ -121,7 +122,10 @@ def head_kind(path: str | Path) -> str:
 def resolve_draft(value: str | None) -> str | None:
     """``--draft`` as ``speculate(draft=...)`` takes it: None (the default drafter: prompt lookup
     for SmolLM2), ``"prompt_lookup"``, ``"lookahead"``, ``"kind:DIR"`` for a head directory of a
-    named kind, or a head directory whose kind :func:`head_kind` reads. ValueError otherwise."""
+    named kind, or a head directory whose kind :func:`head_kind` reads; ``"eagle3"`` alone is the
+    EAGLE-3 head shipped for SmolLM2 (``SMOLLM2_EAGLE3_DIR``). ValueError otherwise."""
+    if value == "eagle3":
+        return f"eagle3:{SMOLLM2_EAGLE3_DIR}"
     if value is None or value in NAMED:
         return value
     kind, sep, rest = value.partition(":")

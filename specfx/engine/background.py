@@ -17,7 +17,10 @@ finds it there and runs it. A guard that no longer holds by then (the state was 
 meanwhile) makes Dynamo compile again in the foreground: slower, never wrong.
 
 One worker thread per generator, started when something is queued and ended when the queue is
-empty; a daemon (an exiting program does not wait for a compile). It runs the compile under the
+empty; a daemon, but an exiting program first drops every queued compile and waits for the one
+under way (an ``atexit`` hook, :func:`_finish_at_exit`): interpreter shutdown under a compile
+running in a thread raised in it and aborted the process ("terminate called without an active
+exception", exit status 134). It runs the compile under the
 modes every call of the generator runs in (``no_grad``, outside inference mode: grad mode is
 part of the graphs' guards). The variant the host loop asks for next goes to the front of the
 queue. Only round graphs compile here: prefill graphs (``compile_prefill``) and callers that
@@ -27,6 +30,7 @@ compile already under way rather than starting a second one.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import sys
 import threading
@@ -154,6 +158,7 @@ class BackgroundCompiler:
             if first:
                 self._queue.move_to_end(key, last=False)
             if self._thread is None:
+                _at_exit(self)
                 self._thread = threading.Thread(target=self._work, name=self.name, daemon=True)
                 self._thread.start()
 
@@ -206,6 +211,32 @@ class BackgroundCompiler:
                 with self._cond:
                     self._running = None
                     self._cond.notify_all()
+
+
+_COMPILERS: weakref.WeakSet = weakref.WeakSet()  # compilers that have started a worker
+_EXIT_HOOK = threading.Lock()
+
+
+def _at_exit(compiler: BackgroundCompiler) -> None:
+    """Track ``compiler`` for :func:`_finish_at_exit` (registered once, at the first worker)."""
+    with _EXIT_HOOK:
+        if not _COMPILERS and not getattr(_at_exit, "registered", False):
+            atexit.register(_finish_at_exit)
+            _at_exit.registered = True
+        _COMPILERS.add(compiler)
+
+
+def _finish_at_exit() -> None:
+    """At interpreter exit: drop every queued compile and wait for those under way."""
+    compilers = list(_COMPILERS)
+    for c in compilers:
+        with c._cond:
+            c._queue.clear()
+    running = [c for c in compilers if c.busy()]
+    if running:
+        print("specfx: finishing the round-graph compile under way before exiting", file=sys.stderr, flush=True)
+    for c in running:
+        c.wait()
 
 
 def provisional_times(measured: dict[tuple, dict], key: tuple, widths: dict) -> dict:

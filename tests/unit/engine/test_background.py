@@ -264,3 +264,32 @@ def test_eager_rounds_capture_taps_while_another_thread_compiles(target, one_thr
         torch.compiler._is_compiling_flag = old
         hold.release.set()
     assert spec.wait_for_graphs(timeout=120)
+
+
+def test_an_exiting_program_drops_queued_compiles_and_waits_for_the_running_one(tmp_path):
+    """Interpreter shutdown under a compile in the worker thread aborted the process (exit
+    status 134, "terminate called without an active exception"); now the exit waits for the job
+    under way and drops the queued ones."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import pathlib, threading, time
+        from specfx.engine.background import BackgroundCompiler
+        out = pathlib.Path({str(tmp_path)!r})
+        started = threading.Event()
+        def running():
+            started.set()
+            time.sleep(1.5)
+            (out / "running").write_text("done")
+        compiler = BackgroundCompiler()
+        compiler.submit("a", running)
+        compiler.submit("b", lambda: (out / "queued").write_text("ran"))
+        assert started.wait(30)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "running").read_text() == "done"  # waited for
+    assert not (tmp_path / "queued").exists()  # dropped
+    assert "finishing the round-graph compile under way" in result.stderr

@@ -118,9 +118,10 @@ def _check_demo_args(d: argparse.ArgumentParser, args) -> None:
 
     if args.num_prompts is not None and args.num_prompts > len(CHAT_PROMPTS) and not args.prompt:
         d.error(f"--num-prompts: there are {len(CHAT_PROMPTS)} built-in prompts; give more with --prompt TEXT")
-    if args.draft in ("draft", "eagle3", "eagle", "medusa"):
+    if args.draft in ("draft", "eagle", "medusa"):
         d.error(
-            f"--draft {args.draft} drafts for the shipped pair: add --pair (SmolLM2 takes prompt_lookup, lookahead or a head directory)"
+            f"--draft {args.draft} drafts for the shipped pair: add --pair (SmolLM2 takes prompt_lookup, lookahead, "
+            "eagle3 (its shipped head) or a head directory)"
         )
 
 

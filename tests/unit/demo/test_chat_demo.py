@@ -72,7 +72,7 @@ def test_pair_keeps_its_own_defaults(ran, tmp_path):
     [
         (["--pair", "--gguf", "x.gguf"], "--gguf is for the SmolLM2 demo, not --pair"),
         (["--pair", "--draft", "lookahead"], "--pair: --draft takes one of draft, eagle3, eagle, medusa"),
-        (["--draft", "eagle3"], "drafts for the shipped pair: add --pair"),
+        (["--draft", "medusa"], "drafts for the shipped pair: add --pair"),  # eagle3: SmolLM2's own head
         (["--num-prompts", "5"], "there are 4 built-in prompts"),
         (["--prompt-lookup-num-tokens", "0"], "must be >= 1"),
         (["--repeats", "0"], "must be >= 1"),

@@ -50,3 +50,12 @@ def test_head_on_the_real_model_is_exact_and_trained(smollm2_model, one_thread):
     out = spec.generate(**enc, **gen)
     assert torch.equal(out, ref)
     assert spec.stats.tokens_per_round > 1.5, spec.stats  # trained (an untrained head gives about 1)
+
+
+def test_demo_runs_the_shipped_head(smollm2_model, one_thread, capsys):
+    from specfx import cli
+
+    argv = ["demo", "--draft", "eagle3", "--no-compile", "--max-new-tokens", "8", "--num-prompts", "1"]
+    assert cli.main(argv + ["--repeats", "1", "--no-color"]) == 0
+    out = capsys.readouterr().out
+    assert "greedy output identical to HF generate(): yes" in out and "eagle3" in out

@@ -247,7 +247,9 @@ class SpeculativeGenerator:
             return False
         if self.auto_k is not None and self.state is not None:  # time them now, not in the next call
             with self._lock, torch.inference_mode(False), torch.no_grad():
-                self._auto_k_times(self._last_mode, self._last_collect)
+                times = self._auto_k_times(self._last_mode, self._last_collect)
+                if times is not None:  # what spec.auto_k.times shows now (the next call starts from them)
+                    self.auto_k.times = dict(times)
         return True
 
     @property

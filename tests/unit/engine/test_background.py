@@ -74,6 +74,7 @@ def test_rounds_run_eagerly_until_the_graphs_are_ready_then_compiled(target, one
     assert backend.compiled == 5
     assert torch.equal(spec.state.tokens, tokens)
     assert set(spec.auto_k.times) == {0, 1, 2, 4, 8}
+    assert [spec.auto_k.times] == list(spec.round_timer.times_by_shape.values())  # measured, not provisional
     runs = backend.runs
     with torch._dynamo.config.patch(error_on_recompile=True):
         assert torch.equal(spec.generate(PROMPT, max_new_tokens=24), ref)

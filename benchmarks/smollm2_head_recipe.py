@@ -17,7 +17,6 @@ head runs in the target's dtype once bound), the vocabulary maps and config kept
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -68,10 +67,6 @@ def ship(work: Path) -> None:
     config = json.loads((head / "config.json").read_text())
     config["torch_dtype"] = "bfloat16"
     (SHIPPED / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    for extra in ("eval.json",):
-        src = head.parent / extra
-        if src.exists():
-            shutil.copy(src, work / f"shipped-{extra}")
     size = (SHIPPED / "model.safetensors").stat().st_size
     print(f"shipped {SHIPPED} ({size / 1e6:.1f} MB)")
 

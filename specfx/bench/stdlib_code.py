@@ -18,6 +18,7 @@ import hashlib
 import random
 import sysconfig
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -25,7 +26,8 @@ import torch
 from specfx.demo.pair import DEMO_PAIR_DIR
 from specfx.model.load import load_causal_lm, load_tokenizer
 
-__all__ = ["DEMO_TARGET", "functions", "heldout_files", "load_target", "pick_functions", "task_prompt"]
+__all__ = ["DEMO_TARGET", "functions", "heldout_files", "load_target", "parsed_files", "pick_functions", "source_of",
+           "task_prompt"]
 
 DEMO_TARGET = DEMO_PAIR_DIR / "target"
 HELDOUT_PERMILLE = 50  # specfx.train.pair's default split
@@ -49,20 +51,31 @@ def heldout_files() -> list[Path]:
     return out
 
 
-def functions(encode, min_tokens: int, max_tokens: int) -> list[tuple[str, str, str]]:
-    """(file, function name, dedented source) of every function of min..max tokens."""
-    found = []
-    for path in heldout_files():
+def parsed_files(paths) -> Iterator[tuple[Path, ast.Module, list[str]]]:
+    """(path, syntax tree, source lines) of each of ``paths`` that reads as UTF-8 and parses."""
+    for path in paths:
         try:
             text = path.read_text(encoding="utf-8")
             tree = ast.parse(text)
         except (SyntaxError, UnicodeDecodeError, ValueError):
             continue
-        lines = text.splitlines()
+        yield path, tree, text.splitlines()
+
+
+def source_of(node: ast.AST, lines: list[str]) -> str | None:
+    """``node``'s source, dedented; None when it is indented with tabs."""
+    src = textwrap.dedent("\n".join(lines[node.lineno - 1 : node.end_lineno]))
+    return None if "\t" in src else src
+
+
+def functions(encode, min_tokens: int, max_tokens: int) -> list[tuple[str, str, str]]:
+    """(file, function name, dedented source) of every function of min..max tokens."""
+    found = []
+    for path, tree, lines in parsed_files(heldout_files()):
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and not node.decorator_list:
-                src = textwrap.dedent("\n".join(lines[node.lineno - 1 : node.end_lineno]))
-                if "\t" not in src and min_tokens <= len(encode(src)) <= max_tokens:
+                src = source_of(node, lines)
+                if src is not None and min_tokens <= len(encode(src)) <= max_tokens:
                     found.append((path.name, node.name, src))
     return found
 

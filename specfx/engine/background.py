@@ -215,14 +215,16 @@ class BackgroundCompiler:
 
 _COMPILERS: weakref.WeakSet = weakref.WeakSet()  # compilers that have started a worker
 _EXIT_HOOK = threading.Lock()
+_exit_hook_registered = False
 
 
 def _at_exit(compiler: BackgroundCompiler) -> None:
     """Track ``compiler`` for :func:`_finish_at_exit` (registered once, at the first worker)."""
+    global _exit_hook_registered
     with _EXIT_HOOK:
-        if not _COMPILERS and not getattr(_at_exit, "registered", False):
+        if not _exit_hook_registered:
             atexit.register(_finish_at_exit)
-            _at_exit.registered = True
+            _exit_hook_registered = True
         _COMPILERS.add(compiler)
 
 

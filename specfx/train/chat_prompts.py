@@ -24,8 +24,9 @@ import json
 import random
 import sys
 import sysconfig
-import textwrap
 from pathlib import Path
+
+from specfx.bench.stdlib_code import parsed_files, source_of
 
 __all__ = ["stage_one", "stage_two", "check_disjoint", "SUITE_PROMPTS"]
 
@@ -90,27 +91,18 @@ NAMES = ["Ana", "Ben", "Chloe", "Dev", "Elena", "Farid", "Grace", "Hugo", "Ines"
 ITEMS = [("apples", 3), ("notebooks", 4), ("tickets", 12), ("pencils", 1), ("cakes", 6), ("books", 9), ("plants", 7)]
 
 
-def _std_functions(seed: int, lo: int = 4, hi: int = 22) -> list[tuple[str, str, str, str]]:
+def _std_functions(seed: int, lo: int = 4, hi: int = 22) -> list[tuple[str, str, str, str, str]]:
     """(module, name, signature line, first docstring sentence, source) of stdlib functions of
     ``lo..hi`` lines with a docstring, shuffled by ``seed``."""
-    root = Path(sysconfig.get_paths()["stdlib"])
     found = []
-    for path in sorted(root.glob("*.py")):
-        try:
-            text = path.read_text(encoding="utf-8")
-            tree = ast.parse(text)
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        lines = text.splitlines()
+    for path, tree, lines in parsed_files(sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))):
         for node in tree.body:
             if not isinstance(node, ast.FunctionDef) or node.name.startswith("_") or node.decorator_list:
                 continue
             doc = ast.get_docstring(node)
             size = node.end_lineno - node.lineno + 1
-            if not doc or not lo <= size <= hi:
-                continue
-            src = textwrap.dedent("\n".join(lines[node.lineno - 1 : node.end_lineno]))
-            if "\t" in src:
+            src = source_of(node, lines) if doc and lo <= size <= hi else None
+            if src is None:
                 continue
             first = doc.strip().split("\n\n")[0].replace("\n", " ").split(". ")[0].rstrip(".")
             found.append((path.stem, node.name, src.splitlines()[0].rstrip(":"), first, src))

@@ -13,6 +13,7 @@ import specfx
 from specfx.bench.tasks.suite_prompts import load_suite, make_batches
 from specfx.demo import chat, smollm2
 from specfx.demo.smollm2 import SMOLLM2_EAGLE3_DIR
+from tests.unit.demo.test_chat_demo import smollm2_directory  # noqa: F401 (a fixture: the converted model)
 
 HEAD = SMOLLM2_EAGLE3_DIR
 
@@ -32,11 +33,9 @@ def test_shipped_files_are_small_bfloat16_safetensors_in_the_eagle3_layout():
 
 
 @pytest.fixture(scope="module")
-def smollm2_model():
-    try:
-        return smollm2.load_smollm2()  # the cache; else fetched and converted, as users get it
-    except (RuntimeError, FileNotFoundError, ImportError) as e:
-        pytest.skip(f"SmolLM2-135M-Instruct is not converted in the cache and cannot be made here: {e}")
+def smollm2_model(request):
+    request.getfixturevalue("smollm2_directory")  # converted, or skipped saying why it cannot be made here
+    return smollm2.load_smollm2()
 
 
 def test_head_on_the_real_model_is_exact_and_trained(smollm2_model, one_thread):

@@ -118,7 +118,14 @@ class SpeculativeGenerator:
         background = config.background_compile
         if background is None:  # decision 67: where a compile costs minutes and is measured
             background = config.compile and config.backend == "specfx" and self.device.type == "cpu"
-        self.graph_cache = GraphCache(config.backend, max_graphs, config.live_kv, owner=self, background=background)
+        self.graph_cache = GraphCache(
+            config.backend,
+            max_graphs,
+            config.live_kv,
+            owner=self,
+            background=background,
+            inductor_options=config.inductor_options,
+        )
         if background:
             self.graph_cache.state_shape = SpeculativeGenerator._state_shape
             register_background(self)

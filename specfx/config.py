@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["AUTO", "MAX_SPECULATIVE_TOKENS", "SpecConfig", "check_tree_k"]
+__all__ = ["AUTO", "MAX_SPECULATIVE_TOKENS", "SpecConfig", "check_inductor_options", "check_tree_k"]
 
 MAX_SPECULATIVE_TOKENS = 16  # K above this unrolls too much for a round graph to pay off
 AUTO = "auto"  # num_speculative_tokens="auto": K chosen per round among auto_k_values
@@ -78,6 +78,13 @@ class SpecConfig:
             so no call waits minutes for a compile (decision 67; ``spec.wait_for_graphs()``
             waits for them). None (default): on with the "specfx" backend (Inductor) on a CPU,
             off elsewhere (on CUDA it is not measured yet). True/False force it (any backend).
+        inductor_options: Inductor settings for specfx's own graphs only (rounds, prefills), e.g.
+            ``{"coordinate_descent_tuning": True}`` or ``{"max_autotune": True}``: applied as the
+            ``config_patches`` of each of those compiles, never to Inductor's process-wide config,
+            so they do not outlive a compile or reach other code. Keys are
+            ``torch._inductor.config`` names (dotted for nested ones, as ``"triton.cudagraphs"``).
+            Needs the "specfx" backend. None (default): Inductor's defaults (plus CUDA graphs on
+            CUDA).
     """
 
     num_speculative_tokens: int | str | None = None
@@ -95,6 +102,7 @@ class SpecConfig:
     live_kv: bool | int = True
     tree: Any = None
     background_compile: bool | None = None
+    inductor_options: Any = None
 
     def __post_init__(self):
         k = self.num_speculative_tokens
@@ -170,6 +178,8 @@ class SpecConfig:
             )
         if not (isinstance(self.backend, str) or callable(self.backend)):
             raise TypeError(f"backend must be a backend name or a callable, got {self.backend!r}.")
+        if self.inductor_options is not None:
+            object.__setattr__(self, "inductor_options", check_inductor_options(self.inductor_options, self.backend))
 
     @property
     def k_values(self) -> tuple[int, ...]:
@@ -190,6 +200,30 @@ class SpecConfig:
                 return b
         top = self.prefill_buckets[-1]
         return -(-length // top) * top
+
+
+def check_inductor_options(options, backend) -> dict:
+    """``SpecConfig.inductor_options`` as a plain dict, or a ValueError naming what is wrong."""
+    if not isinstance(options, Mapping):
+        raise ValueError(
+            f"inductor_options must be a dict of torch._inductor.config settings, e.g. "
+            f"{{'coordinate_descent_tuning': True}}, got {options!r}."
+        )
+    if backend != "specfx":
+        raise ValueError(
+            f"inductor_options apply to Inductor compiles, which only backend='specfx' runs; got backend={backend!r}. "
+            "Use backend='specfx', or drop inductor_options."
+        )
+    from torch._inductor import config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    unknown = [k for k in options if not isinstance(k, str) or k not in known]
+    if unknown:
+        raise ValueError(
+            f"inductor_options: {unknown!r} are not torch._inductor.config settings "
+            "(nested ones are dotted, e.g. 'triton.cudagraphs')."
+        )
+    return dict(options)
 
 
 def check_tree_k(k, tree, where: str) -> None:

@@ -67,10 +67,21 @@ class GraphCache:
     and :meth:`code` (a variant's private code object, whose Dynamo cache holds its graph).
     """
 
-    def __init__(self, backend, max_graphs: int, live_kv: bool | int, owner=None, background: bool = False):
+    def __init__(
+        self,
+        backend,
+        max_graphs: int,
+        live_kv: bool | int,
+        owner=None,
+        background: bool = False,
+        inductor_options: dict | None = None,
+    ):
         self.records = GraphRecords()
         self.backend_name = backend if isinstance(backend, str) else None
-        self.backend = make_backend(backend, self.records) if isinstance(backend, str) else backend
+        self.inductor_options = inductor_options  # SpecConfig.inductor_options: patches for our compiles only
+        self.backend = (
+            make_backend(backend, self.records, options=inductor_options) if isinstance(backend, str) else backend
+        )
         self.max_graphs = max_graphs
         self.live_kv = live_kv  # SpecConfig.live_kv: False, True (from 64) or the smallest bound
         self.compile_events: list[CompileEvent] = []
@@ -138,7 +149,9 @@ class GraphCache:
         """The backend variant ``key`` compiles with (its live-KV cut, decision 45)."""
         capacity, live = key[2], key[-1]
         if live < capacity and self.backend_name in LIVE_BACKENDS:
-            return make_backend(self.backend_name, self.records, live=LiveKV(capacity, live))
+            return make_backend(
+                self.backend_name, self.records, live=LiveKV(capacity, live), options=self.inductor_options
+            )
         return self.backend
 
     def ready(self, key: tuple) -> Callable | None:

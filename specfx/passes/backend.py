@@ -61,7 +61,12 @@ def _op_name(node: fx.Node) -> str:
 
 
 def make_backend(
-    inner: str = "specfx", records: list | None = None, *, round_graphs: bool = True, live: LiveKV | None = None
+    inner: str = "specfx",
+    records: list | None = None,
+    *,
+    round_graphs: bool = True,
+    live: LiveKV | None = None,
+    options: dict | None = None,
 ):
     """A backend that records each graph in ``records``. ``inner`` is "specfx" (Inductor
     after the passes) or "specfx_eager" (run the rewritten graph as is); any other name is
@@ -73,7 +78,10 @@ def make_backend(
 
     ``live`` (specfx's own graphs only): attention reads only the first ``live.live`` of
     ``live.capacity`` KV slots (:mod:`specfx.passes.rewrites.live_kv`); the caller vouches that no query
-    of the graph sees a slot past it."""
+    of the graph sees a slot past it.
+
+    ``options``: Inductor config patches for these compiles only (``SpecConfig.inductor_options``),
+    merged under the CUDA-graph patch this function adds."""
     if inner not in ("specfx", "specfx_eager"):
         from torch._dynamo.backends.registry import lookup_backend
 
@@ -102,7 +110,10 @@ def make_backend(
                 "but the host waits inside every round): " + "; ".join(syncs.values()) + ".",
                 stacklevel=2,
             )
-        return compile_fx(gm, example_inputs, config_patches={"triton.cudagraphs": True} if cuda and not syncs else {})
+        patches = dict(options or {})
+        if cuda and not syncs:
+            patches["triton.cudagraphs"] = True
+        return compile_fx(gm, example_inputs, config_patches=patches)
 
     backend.__name__ = inner
     return backend

@@ -97,6 +97,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--rounds-per-sync", type=int, default=1, help="specfx rounds between host reads of the finished flags"
     )
+    p.add_argument(
+        "--inductor-options",
+        default=None,
+        metavar="KEY=VALUE,...",
+        help="Inductor settings for every compile of the run, scoped to those compiles: specfx's\n"
+        "(SpecConfig.inductor_options), HF's (CompileConfig.options) and the round-overhead parts;\n"
+        "e.g. coordinate_descent_tuning=1 (values: 1/0/true/false, ints, floats, strings)",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile one warm call of each specfx method (torch.profiler): device busy fraction of the\n"
+        "decode loop, CUDA-graph launches per round, the largest idle gaps; with the finished-flag reads\n"
+        "overlapped (the CUDA default) and not",
+    )
     p.add_argument("--device", default=None, help="default: cuda (smoke: cpu)")
     p.add_argument(
         "--dtype", default=None, choices=("bfloat16", "float16", "float32"), help="default: bfloat16 (smoke: float32)"
@@ -143,6 +158,14 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--methods: unknown method {m!r}; choose from {', '.join(METHODS)}")
     if any(not 0 <= a <= 1 for a in args.alphas):
         p.error("--alphas must lie in [0, 1]")
+    try:
+        args.inductor_options = _options(args.inductor_options)
+        if args.inductor_options:
+            from specfx.config import check_inductor_options
+
+            check_inductor_options(args.inductor_options, "specfx")
+    except ValueError as e:
+        p.error(f"--inductor-options: {e}")
     args.assumed = dict(ASSUMED["cuda" if args.device.startswith("cuda") else "cpu"])
     if args.backend == "specfx_eager":  # graphs are captured, not compiled: seconds, not minutes
         args.assumed.update(graph_s=1.0, layer_s=0.3)
@@ -152,6 +175,31 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--assume: unknown key {key!r}; choose from {', '.join(args.assumed)}")
         args.assumed[key] = float(value)
     return args
+
+
+def _options(text: str | None) -> dict:
+    """``"a=1,b.c=false,d=x"`` -> ``{"a": True, "b.c": False, "d": "x"}`` (1/0 read as booleans)."""
+    out = {}
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"{item!r} is not KEY=VALUE")
+        v = value.strip()
+        low = v.lower()
+        if low in ("1", "true", "0", "false"):
+            out[key.strip()] = low in ("1", "true")
+            continue
+        for kind in (int, float):
+            try:
+                out[key.strip()] = kind(v)
+                break
+            except ValueError:
+                pass
+        else:
+            out[key.strip()] = v
+    return out
 
 
 def _list(text: str, kind):

@@ -4,6 +4,7 @@ overhead timed in parts, and the bandwidth floor of each method."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import statistics
 import time
@@ -49,6 +50,63 @@ def stats_dict(stats, k: int) -> dict:
     )
 
 
+def busy_in_window(kernels: list[tuple[float, float]], start: float) -> dict:
+    """Device time covered by ``kernels`` ((start, end) pairs, µs) from the first kernel that
+    starts at or after ``start`` to the last one's end: the busy fraction and the idle gaps."""
+    kernels = sorted(k for k in kernels if k[0] >= start)
+    busy, gaps, end = 0.0, [], None
+    for s, t in kernels:
+        if end is None or s > end:
+            if end is not None:
+                gaps.append(s - end)
+            busy += t - s
+            end = t
+        elif t > end:
+            busy += t - end
+            end = t
+    span = (end - kernels[0][0]) if kernels else 0.0
+    gaps.sort(reverse=True)
+    return dict(
+        kernels=len(kernels),
+        span_ms=round(span / 1e3, 3),
+        busy_ms=round(busy / 1e3, 3),
+        busy_fraction=round(busy / span, 4) if span else None,
+        gaps_over_20us=sum(1 for g in gaps if g > 20),
+        idle_ms=round(sum(gaps) / 1e3, 3),
+        largest_gaps_us=[round(g, 1) for g in gaps[:5]],
+    )
+
+
+def profile_decode(fn, spec, device: torch.device) -> dict:
+    """One warm ``fn()`` call under torch.profiler: the device's busy fraction in the decode
+    loop (from the first round's CUDA-graph launch on; prefill excluded), launches per round,
+    the call's wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync = sync_fn(device)
+    sync()
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        fn()
+        sync()
+    wall = time.perf_counter() - t0
+    events = list(prof.events())
+    launches = sorted(e.time_range.start for e in events if e.name == "cudaGraphLaunch")
+    kernels = [
+        (e.time_range.start, e.time_range.end)
+        for e in events
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+    ]
+    out = dict(wall_ms=round(1e3 * wall, 2), rounds=spec.stats.rounds, graph_launches=len(launches))
+    if kernels:
+        out.update(busy_in_window(kernels, launches[0] if launches else min(k[0] for k in kernels)))
+        if out["rounds"]:
+            out["device_ms_per_round"] = round(out["busy_ms"] / out["rounds"], 4)
+            out["span_ms_per_round"] = round(out["span_ms"] / out["rounds"], 4)
+    return out
+
+
 def round_callable(spec):
     """The generator's compiled round for its (fixed) K."""
     return spec.round_fn()
@@ -67,6 +125,8 @@ def make_spec(target, draft, args, ctx: int):
         rounds_per_sync=args.rounds_per_sync,
         # HF compiles only its decode step too; a prefill graph per context costs compile time
         compile_prefill=args.compile_prefill,
+        # Inductor settings only where Inductor compiles (--smoke's specfx_eager does not)
+        inductor_options=(getattr(args, "inductor_options", None) or None) if args.backend == "specfx" else None,
     )
     return spec
 
@@ -98,6 +158,13 @@ class Combo:
             cc = hf_compile_config(torch.device(args.device))
             if args.backend == "specfx_eager":
                 cc.backend = "eager"  # capture without Inductor, like specfx_eager
+            elif getattr(args, "inductor_options", None):
+                # the same tuning as specfx's graphs; torch.compile takes a mode or options, not both:
+                # "reduce-overhead" is Inductor's CUDA graphs
+                cc.options = dict(args.inductor_options)
+                if cc.mode == "reduce-overhead":
+                    cc.options["triton.cudagraphs"] = True
+                cc.mode = None
             fns["hf_static_compiled"] = lambda x: target.generate(
                 x, cache_implementation="static", compile_config=cc, **common
             )
@@ -145,6 +212,7 @@ class Combo:
         vocab = self.target.config.vocab_size
         ids = torch.randint(3, vocab, (self.batch, self.ctx), generator=g).to(args.device)
         fns = self.build_methods(ids)
+        self._ids = ids
         outputs = {}
         for name, fn in fns.items():
             compile_s, call_s = self.predicted.get(name, (0.0, 0.0))
@@ -213,9 +281,39 @@ class Combo:
                 f"{fmt(r.get('speedup_vs_hf_static_compiled'), '.2f')}x HF static+compile, "
                 f"tau {fmt(r.get('spec_stats', {}).get('tau'), '.2f')}, same tokens {r.get('same_tokens_as_hf_dynamic')}"
             )
+        if args.profile:
+            result["profile"] = self.profile(fns)
         checkpoint(result)
         result["round_overhead"] = self.round_overhead() if self.specs and not args.no_overhead else {}
         return result
+
+    # ------------------------------------------------------------------------- profile
+    def profile(self, fns) -> dict:
+        """Each specfx generator's first row profiled once warm, with the finished-flag reads
+        overlapped and not (``SpecConfig.overlap_reads``: a host-loop setting, same graphs)."""
+        out = {}
+        dev = torch.device(self.args.device)
+        for family, spec in self.specs.items():
+            row = next((r for r in fns if r.startswith(family) and self.results.get(r, {}).get("status") == "ok"), None)
+            if row is None or self.time_left() < 30:
+                continue
+            config = spec.spec_config
+            try:
+                for overlap in (True, False):
+                    spec.spec_config = dataclasses.replace(config, overlap_reads=overlap)
+                    p = profile_decode(lambda row=row: fns[row](self._ids), spec, dev)
+                    out[f"{row}|overlap_reads={overlap}"] = p
+                    log(
+                        f"[{self.label}] profile {row} overlap_reads={overlap}: busy {p.get('busy_fraction')}, "
+                        f"{p['graph_launches']} graph launches / {p['rounds']} rounds, "
+                        f"{p.get('span_ms_per_round')} ms per round, largest gaps {p.get('largest_gaps_us')} us"
+                    )
+            except Exception as e:  # reported, not fatal
+                out[f"{row}|error"] = f"{type(e).__name__}: {e}"[:800]
+                log(f"[{self.label}] profile {row} FAILED: {out[f'{row}|error'][:300]}")
+            finally:
+                spec.spec_config = config
+        return out
 
     # ------------------------------------------------------------------------- overhead
     def round_overhead(self) -> dict:
@@ -243,7 +341,8 @@ class Combo:
                 start = self.ctx + args.new_tokens + 1  # past everything a generation used
                 pos = (start + torch.arange(k + 1, device=dev)).unsqueeze(0).expand(b, k + 1).contiguous()
                 tok = torch.randint(3, self.target.config.vocab_size, (b, k + 1), device=dev)
-                backend = make_backend(args.backend)
+                opts = getattr(args, "inductor_options", None) if args.backend == "specfx" else None
+                backend = make_backend(args.backend, options=opts or None)
 
                 def part(runner, t):
                     fwd = torch.compile(

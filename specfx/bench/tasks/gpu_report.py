@@ -15,7 +15,7 @@ import transformers
 import specfx
 from specfx.bench.oracle import expected_acceptance
 
-__all__ = ["fmt", "table", "floor_lines", "meta_info", "write", "print_summary"]
+__all__ = ["fmt", "table", "floor_lines", "profile_lines", "meta_info", "write", "print_summary"]
 
 
 def fmt(x, spec: str, na: str = "-") -> str:
@@ -79,6 +79,24 @@ def floor_lines(combos: list[dict]) -> str:
     return "\n".join(out)
 
 
+def profile_lines(combos: list[dict]) -> str:
+    """One line per profiled call: the device's busy fraction in the decode loop and its gaps."""
+    out = []
+    for c in combos:
+        for name, p in c.get("profile", {}).items():
+            if name.endswith("|error"):
+                out.append(f"{c['pair']} B={c['batch']} ctx={c['context']} {name}: {p[:200]}")
+                continue
+            out.append(
+                f"{c['pair']} B={c['batch']} ctx={c['context']} {name}: device busy {fmt(p.get('busy_fraction'), '.3f')} "
+                f"of the decode loop ({fmt(p.get('span_ms'), '.1f')} ms, idle {fmt(p.get('idle_ms'), '.2f')} ms, "
+                f"{p.get('gaps_over_20us', '-')} gaps > 20 us, largest {p.get('largest_gaps_us', '-')} us); "
+                f"{p['graph_launches']} CUDA-graph launches / {p['rounds']} rounds; "
+                f"{fmt(p.get('span_ms_per_round'), '.3f')} ms per round; call {p['wall_ms']:.1f} ms"
+            )
+    return "\n".join(out)
+
+
 def meta_info(args, bandwidth) -> dict:
     dev = torch.device(args.device)
     return dict(
@@ -90,6 +108,7 @@ def meta_info(args, bandwidth) -> dict:
         gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
         copy_bandwidth=bandwidth,
         assumed=args.assumed,
+        inductor_options=getattr(args, "inductor_options", None) or {},
         command=args.command,
     )
 
@@ -99,8 +118,13 @@ def write(args, meta, combos, skipped) -> None:
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     data = dict(config=config, meta=meta, combos=combos, skipped=skipped)
     (args.out_dir / f"bench_{args.tag}.json").write_text(json.dumps(data, indent=2, default=str))
-    md = [f"# bench_gpu ({meta['gpu'] or meta['device']}, {args.dtype}, K={args.k}, {args.new_tokens} new tokens)", ""]
-    md += [table(combos, args), "", "```", floor_lines(combos), "```"]
+    opts = meta.get("inductor_options") or "defaults"
+    md = [
+        f"# bench_gpu ({meta['gpu'] or meta['device']}, {args.dtype}, K={args.k}, {args.new_tokens} new tokens, "
+        f"Inductor options: {opts})",
+        "",
+    ]
+    md += [table(combos, args), "", "```", floor_lines(combos), profile_lines(combos), "```"]
     if skipped:
         md += ["", "Skipped (budget): " + ", ".join(skipped)]
     (args.out_dir / f"bench_{args.tag}.md").write_text("\n".join(md) + "\n")
@@ -115,6 +139,8 @@ def print_summary(args, meta: dict, combos: list[dict], skipped: list[str], pred
           f"transformers {meta['transformers']}")  # fmt: skip
     print(table(combos, args))
     print(floor_lines(combos))
+    if any(c.get("profile") for c in combos):
+        print(profile_lines(combos))
     for c in combos:
         for name, r in c["methods"].items():
             if name.startswith("specfx_oracle") and "spec_stats" in r:

@@ -114,9 +114,8 @@ def gemm_layouts(args, dev, bandwidth) -> dict:
                     for (_, k), w in zip(shapes, ws, strict=True):
                         F.linear(xs[k], w)
 
+            # time_graph gives the time of one run(): the LM head is captured `layers` times per graph
             secs = time_graph(run, dev, reps=1 if name != "lm_head" else args.layers)
-            if name == "lm_head":
-                secs /= args.layers
             out[f"{name} M={m}"] = dict(
                 ms_per_layer=1e3 * secs / layers, bytes_per_layer=nbytes // layers,
                 fraction_of_copy_bandwidth=nbytes / secs / bandwidth if bandwidth else None,

@@ -29,6 +29,7 @@ from specfx.passes.rewrites.gqa_sdpa import gqa_sdpa
 from specfx.passes.rewrites.hidden_taps import HiddenTapsError, check_tap_names, hidden_taps
 from specfx.passes.rewrites.live_kv import LiveKV, live_kv
 from specfx.passes.rewrites.prune_logits import prune_logits
+from specfx.passes.rewrites.skinny_linear import skinny_linear
 
 __all__ = [
     "PIPELINE",
@@ -56,6 +57,7 @@ __all__ = [
     "prune_logits",
     "remove_dead_code",
     "run_passes",
+    "skinny_linear",
     "specfx_backend",
     "specfx_eager_backend",
 ]

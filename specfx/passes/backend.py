@@ -92,7 +92,8 @@ def make_backend(
     records_ref = weakref.ref(records) if isinstance(records, GraphRecords) else (lambda: records)
 
     def backend(gm: fx.GraphModule, example_inputs):
-        report = run_passes(gm, round_checks=round_graphs, live=live)
+        # skinny_linear: specfx's own graphs that Inductor compiles (it rewrites CPU float32 only)
+        report = run_passes(gm, round_checks=round_graphs, live=live, inductor=round_graphs and inner == "specfx")
         ops = Counter(_op_name(n) for n in gm.graph.nodes if n.op in ("call_function", "call_method"))
         records = records_ref()
         if records is not None:

@@ -15,7 +15,8 @@ Two kinds of passes, kept apart because a user's graph is not a round:
   rewrite and skip what they cannot prove.
 
 The default stages (:func:`default_stages`), in order: the round checks (with ``round_checks``),
-``prune_logits``, ``gqa_sdpa``, the optional ``live_kv`` stage, ``remove_dead_code``. ``live_kv``
+``prune_logits``, ``gqa_sdpa``, the optional ``live_kv`` and ``skinny_linear`` stages (the latter
+for specfx's own graphs that Inductor compiles: a CPU kernel choice), ``remove_dead_code``. ``live_kv``
 (cut attention to the first ``live`` KV slots, :class:`~.rewrites.live_kv.LiveKV`) depends on a
 runtime fact the graph cannot show, so it runs only when the caller, who knows every position
 stays below ``live``, gives ``live=``; it comes after ``gqa_sdpa``, which must see transformers'
@@ -39,6 +40,7 @@ from specfx.passes.rewrites.dead_code import remove_dead_code
 from specfx.passes.rewrites.gqa_sdpa import gqa_sdpa
 from specfx.passes.rewrites.live_kv import LiveKV
 from specfx.passes.rewrites.prune_logits import prune_logits
+from specfx.passes.rewrites.skinny_linear import skinny_linear
 
 __all__ = [
     "PIPELINE",
@@ -97,10 +99,12 @@ class PassReport:
         return ", ".join(f"{name}={n}" for name, n in self.sites)
 
 
-def default_stages(*, round_checks: bool = True, live: LiveKV | None = None) -> list[Stage]:
+def default_stages(*, round_checks: bool = True, live: LiveKV | None = None, inductor: bool = False) -> list[Stage]:
     """specfx's pipeline: :data:`ROUND_CHECKS` (with ``round_checks``), then :data:`REWRITES`
-    with the ``live_kv`` stage before dead-code removal when ``live`` is given."""
-    optional = (live,) if live is not None else ()
+    with the ``live_kv`` stage before dead-code removal when ``live`` is given, and
+    ``skinny_linear`` after it when ``inductor`` says Inductor compiles the graph (run eagerly,
+    its rewrite would materialise a large product)."""
+    optional = ((live,) if live is not None else ()) + ((skinny_linear,) if inductor else ())
     checks = ROUND_CHECKS if round_checks else ()
     return [Stage.of(p) for p in (*checks, *_BEFORE_LIVE_KV, *optional, *_AFTER_LIVE_KV)]
 
@@ -111,15 +115,18 @@ def run_passes(
     *,
     round_checks: bool = True,
     live: LiveKV | None = None,
+    inductor: bool = False,
 ) -> PassReport:
     """Run ``passes`` (plain passes or :class:`Stage` s) in order, default
-    :func:`default_stages` (``round_checks`` and ``live`` pick its optional stages), linting
+    :func:`default_stages` (``round_checks``, ``live`` and ``inductor`` pick its optional stages), linting
     the graph after each and, with ``round_checks``, re-checking that no pass introduced a host
     sync. Raises :class:`PassError` naming the failing stage (but see :attr:`Stage.raises`)."""
     if passes is None:
-        stages = default_stages(round_checks=round_checks, live=live)
+        stages = default_stages(round_checks=round_checks, live=live, inductor=inductor)
     elif live is not None:
         raise ValueError("run_passes: give live= only with the default pipeline (passes=None)")
+    elif inductor:
+        raise ValueError("run_passes: give inductor= only with the default pipeline (passes=None)")
     else:
         stages = [Stage.of(p) for p in passes]
     report = PassReport(nodes_before=len(gm.graph.nodes))

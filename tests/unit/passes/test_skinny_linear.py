@@ -32,7 +32,7 @@ def capture(fn, *args, inductor=True):
     return out, dict(seen[0].sites)
 
 
-@pytest.mark.parametrize("rows", [(1, 1), (1, 3), (2, 4), (9,)])
+@pytest.mark.parametrize("rows", [(1, 1), (1, 3), (2, 2), (4,)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_rewrites_and_keeps_the_values(small_threshold, rows, bias):
     g = torch.Generator().manual_seed(0)
@@ -51,7 +51,7 @@ def test_leaves_alone_what_does_not_fit(small_threshold):
     g = torch.Generator().manual_seed(0)
     w = torch.randn(40, 16, generator=g)
     cases = {
-        "too many rows": (torch.randn(2, 5, 16, generator=g), w),  # 10 rows > MAX_ROWS (9)
+        "too many rows": (torch.randn(1, 5, 16, generator=g), w),  # 5 rows > MAX_ROWS (4)
         "bfloat16": (torch.randn(1, 2, 16, generator=g).bfloat16(), w.bfloat16()),
         "small weight": (torch.randn(1, 2, 4, generator=g), torch.randn(8, 4, generator=g)),  # 32 < 64
     }

@@ -106,6 +106,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "e.g. coordinate_descent_tuning=1 (values: 1/0/true/false, ints, floats, strings)",
     )
     p.add_argument(
+        "--no-live-kv",
+        action="store_true",
+        help="specfx's attention reads the whole KV buffer (SpecConfig.live_kv=False), to measure the live-KV cut",
+    )
+    p.add_argument(
         "--profile",
         action="store_true",
         help="profile one warm call of each specfx method (torch.profiler): device busy fraction of the\n"

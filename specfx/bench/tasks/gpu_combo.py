@@ -125,6 +125,7 @@ def make_spec(target, draft, args, ctx: int):
         rounds_per_sync=args.rounds_per_sync,
         # HF compiles only its decode step too; a prefill graph per context costs compile time
         compile_prefill=args.compile_prefill,
+        live_kv=not getattr(args, "no_live_kv", False),
         # Inductor settings only where Inductor compiles (--smoke's specfx_eager does not)
         inductor_options=(getattr(args, "inductor_options", None) or None) if args.backend == "specfx" else None,
     )

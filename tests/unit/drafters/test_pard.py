@@ -179,7 +179,7 @@ def test_named_loads_a_checkpoint_directory(tmp_path, one_thread):
     finally:
         del model.config.pard_token
     spec = specfx.speculate(target, draft=f"pard:{tmp_path}", num_speculative_tokens=3, compile=False)
-    assert spec.drafter.mask_token_id == MASK
+    assert spec.method == "pard" and spec.drafter.mask_token_id == MASK
     _check_greedy(spec, target, *CASES["batch1"]())
 
 

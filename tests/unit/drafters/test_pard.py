@@ -211,3 +211,20 @@ def test_compiled_greedy_equals_hf_in_one_graph(one_thread):
     _check_greedy(spec, target, *left_padded(12, [2, 0, 5], seed=4), new=16)
     assert len(spec.graphs) == n == 1, f"{len(spec.graphs)} graphs"
     assert spec.stats.accepted > 0
+
+
+@pytest.mark.compiled
+def test_compiled_sampling_equals_eager(one_thread):
+    """The sampling round traced as one graph draws the same tokens as the eager round from the
+    same seed (the random stream is counter-based; specfx_eager runs the same ops)."""
+    target, model = pair("llama", "perturbed")
+    ids, mask = CASES["left_padded"]()
+    outs = []
+    for compiled in (False, True):
+        shape = dict(backend="specfx_eager") if compiled else dict(compile=False)
+        spec = specfx.speculate(target, draft=Pard(model, mask_token_id=MASK), num_speculative_tokens=3, **shape)
+        torch.manual_seed(5)
+        outs.append(spec.generate(ids, attention_mask=mask, do_sample=True, max_new_tokens=NEW, eos_token_id=None))
+        assert spec.stats.accepted > 0
+    assert len(spec.graphs) == 1
+    assert torch.equal(outs[0], outs[1])

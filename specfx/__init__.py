@@ -2,7 +2,7 @@
 
 Top-level API: :func:`speculate`, :class:`SpeculativeGenerator`, :func:`wait_for_graphs`, :class:`SpecConfig`,
 :class:`SpecStats`, :class:`TokenTree`, :class:`PromptLookup`, :class:`Lookahead`, :class:`EarlyExit`,
-:class:`MTP`, and heads that read the target's hidden states: :class:`Medusa`, :class:`Eagle`
+:class:`MTP`, :class:`Pard`, and heads that read the target's hidden states: :class:`Medusa`, :class:`Eagle`
 (EAGLE-1/2), :class:`Eagle3`. Building blocks: :mod:`specfx.passes` (FX passes and the ``specfx``
 torch.compile backend), :mod:`specfx.drafters`, :mod:`specfx.sampling.processors`.
 """
@@ -16,6 +16,7 @@ from specfx.drafters.heads.eagle3 import Eagle3
 from specfx.drafters.heads.medusa import Medusa
 from specfx.drafters.lookahead import Lookahead
 from specfx.drafters.mtp import MTP
+from specfx.drafters.pard import Pard
 from specfx.drafters.prompt_lookup import PromptLookup
 from specfx.engine.stats import SpecStats
 from specfx.trees.types import MAX_TREE_NODES, TokenTree
@@ -34,6 +35,7 @@ __all__ = [
     "Lookahead",
     "EarlyExit",
     "MTP",
+    "Pard",
     "Medusa",
     "Eagle",
     "Eagle3",

@@ -7,7 +7,7 @@
   (:func:`resolve_drafter`, ``NAMED_DRAFTERS``, ``DEFAULT_DRAFTERS``).
 * :mod:`~specfx.drafters.drafting`: the chain loop and stash every model-running drafter shares.
 * One module per drafter: :mod:`~specfx.drafters.draft_model`, :mod:`~specfx.drafters.prompt_lookup`,
-  :mod:`~specfx.drafters.lookahead`, :mod:`~specfx.drafters.early_exit`, :mod:`~specfx.drafters.mtp`;
+  :mod:`~specfx.drafters.lookahead`, :mod:`~specfx.drafters.early_exit`, :mod:`~specfx.drafters.mtp`, :mod:`~specfx.drafters.pard`;
   heads over the target's hidden states (Medusa, EAGLE, EAGLE-3) and their checkpoint layouts in
   :mod:`specfx.drafters.heads`.
 
@@ -42,6 +42,7 @@ __all__ = [
     "Lookahead",
     "EarlyExit",
     "MTP",
+    "Pard",
     "Medusa",
     "Eagle",
     "Eagle3",
@@ -53,6 +54,7 @@ _LAZY = {
     "Lookahead": "specfx.drafters.lookahead",
     "EarlyExit": "specfx.drafters.early_exit",
     "MTP": "specfx.drafters.mtp",
+    "Pard": "specfx.drafters.pard",
     "Medusa": "specfx.drafters.heads.medusa",
     "Eagle": "specfx.drafters.heads.eagle",
     "Eagle3": "specfx.drafters.heads.eagle3",

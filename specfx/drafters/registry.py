@@ -30,6 +30,7 @@ NAMED_DRAFTERS: dict[str, str | Callable[[str | None], Drafter]] = {
     "lookahead": "specfx.drafters.lookahead:from_name",
     "early_exit": "specfx.drafters.early_exit:from_name",
     "mtp": "specfx.drafters.mtp:from_name",
+    "pard": "specfx.drafters.pard:from_name",  # draft="pard:DIR" (a PARD checkpoint)
     "medusa": "specfx.drafters.heads.medusa:from_name",  # draft="medusa:DIR"
     "eagle": "specfx.drafters.heads.eagle:from_name",  # draft="eagle:DIR" (EAGLE-1/2)
     "eagle3": "specfx.drafters.heads.eagle3:from_name",  # draft="eagle3:DIR"

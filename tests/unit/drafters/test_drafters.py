@@ -60,7 +60,7 @@ def test_a_path_or_hub_id_as_draft_says_to_load_the_model(draft, tmp_path, monke
         specfx.speculate(target, draft=draft, compile=False)
     message = str(error.value)
     assert f"draft=AutoModelForCausalLM.from_pretrained({draft!r})" in message
-    assert "'eagle', 'eagle3', 'early_exit', 'lookahead', 'medusa', 'mtp', 'prompt_lookup'" in message  # the named drafters are listed too
+    assert "'eagle', 'eagle3', 'early_exit', 'lookahead', 'medusa', 'mtp', 'pard', 'prompt_lookup'" in message  # the named drafters are listed too
     assert f"'eagle3:{draft}'" in message  # and how to name a head checkpoint
     assert "unknown drafter" not in message
 

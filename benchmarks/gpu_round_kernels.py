@@ -89,16 +89,15 @@ def kernel_table(args, dev) -> dict:
              for t, c, n in rows[:30]],
         profile=profile_decode(lambda: spec.generate(ids, attention_mask=mask, max_new_tokens=args.new_tokens), spec, dev),
     )  # fmt: skip
-    del spec, target
     return out
 
 
 def gemm_layouts(args, dev, bandwidth) -> dict:
-    H, KV, I, V = args.gemm_dims
+    H, KV, inter, V = args.gemm_dims
     dtype = getattr(torch, args.dtype)
     layouts = {
-        "separate (q, k, v, o, gate, up, down)": [(H, H), (KV, H), (KV, H), (H, H), (I, H), (I, H), (H, I)],
-        "concatenated (qkv, o, gate_up, down)": [(H + 2 * KV, H), (H, H), (2 * I, H), (H, I)],
+        "separate (q, k, v, o, gate, up, down)": [(H, H), (KV, H), (KV, H), (H, H), (inter, H), (inter, H), (H, inter)],
+        "concatenated (qkv, o, gate_up, down)": [(H + 2 * KV, H), (H, H), (2 * inter, H), (H, inter)],
         "lm_head": [(V, H)],
     }
     out = {}

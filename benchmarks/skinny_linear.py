@@ -69,8 +69,8 @@ def main(argv=None) -> int:
             outs = {}
             for _ in range(args.repeats):
                 for m in totals:
-                    fn = (lambda: model.generate(**enc, max_new_tokens=args.max_new_tokens, do_sample=False)) if m == "hf" \
-                        else (lambda m=m: specs[m].generate(**enc, max_new_tokens=args.max_new_tokens, do_sample=False))  # fmt: skip
+                    runner = model if m == "hf" else specs[m]
+                    fn = lambda runner=runner, enc=enc: runner.generate(**enc, max_new_tokens=args.max_new_tokens, do_sample=False)  # noqa: E731
                     t0 = time.perf_counter()
                     outs[m] = fn()
                     times[m].append(time.perf_counter() - t0)

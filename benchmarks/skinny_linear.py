@@ -4,11 +4,11 @@ SmolLM2-135M-Instruct (float32, one thread), greedy, up to 128 new tokens (EOS k
 the first N prompts of each chat-suite category. Rows:
 
     HF generate()                 the baseline
-    specfx default, BLAS          speculate(model): prompt lookup, "auto" K, the LM head through F.linear
-    specfx default, skinny        the same with the skinny_linear pass (the default since it landed)
+    specfx default, BLAS          speculate(model): prompt lookup, "auto" K, every projection through F.linear
+    specfx default, skinny        the same with the skinny_linear pass (W @ xᵀ; the default since it landed)
     round times                   each generator's measured t(K) ("auto"'s timings), ms
 
-The BLAS row is made by raising ``skinny_linear.MIN_WEIGHT_ELEMENTS`` for the generator's
+The "blas" row is made by raising ``skinny_linear.MIN_WEIGHT_ELEMENTS`` for the generator's
 compiles (a benchmark switch, not an option). Every specfx output is checked against HF's.
 
     python benchmarks/skinny_linear.py --num-prompts 2

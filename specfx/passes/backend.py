@@ -92,8 +92,8 @@ def make_backend(
     records_ref = weakref.ref(records) if isinstance(records, GraphRecords) else (lambda: records)
 
     def backend(gm: fx.GraphModule, example_inputs):
-        # skinny_linear: specfx's own graphs that Inductor compiles (it rewrites CPU float32 only)
-        report = run_passes(gm, round_checks=round_graphs, live=live, inductor=round_graphs and inner == "specfx")
+        # skinny_linear: specfx's own graphs only (a CPU float32 kernel choice measured on its rounds)
+        report = run_passes(gm, round_checks=round_graphs, live=live, own_graph=round_graphs)
         ops = Counter(_op_name(n) for n in gm.graph.nodes if n.op in ("call_function", "call_method"))
         records = records_ref()
         if records is not None:

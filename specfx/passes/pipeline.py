@@ -16,7 +16,7 @@ Two kinds of passes, kept apart because a user's graph is not a round:
 
 The default stages (:func:`default_stages`), in order: the round checks (with ``round_checks``),
 ``prune_logits``, ``gqa_sdpa``, the optional ``live_kv`` and ``skinny_linear`` stages (the latter
-for specfx's own graphs that Inductor compiles: a CPU kernel choice), ``remove_dead_code``. ``live_kv``
+for specfx's own graphs only: a CPU kernel choice), ``remove_dead_code``. ``live_kv``
 (cut attention to the first ``live`` KV slots, :class:`~.rewrites.live_kv.LiveKV`) depends on a
 runtime fact the graph cannot show, so it runs only when the caller, who knows every position
 stays below ``live``, gives ``live=``; it comes after ``gqa_sdpa``, which must see transformers'
@@ -99,12 +99,12 @@ class PassReport:
         return ", ".join(f"{name}={n}" for name, n in self.sites)
 
 
-def default_stages(*, round_checks: bool = True, live: LiveKV | None = None, inductor: bool = False) -> list[Stage]:
+def default_stages(*, round_checks: bool = True, live: LiveKV | None = None, own_graph: bool = False) -> list[Stage]:
     """specfx's pipeline: :data:`ROUND_CHECKS` (with ``round_checks``), then :data:`REWRITES`
     with the ``live_kv`` stage before dead-code removal when ``live`` is given, and
-    ``skinny_linear`` after it when ``inductor`` says Inductor compiles the graph (run eagerly,
-    its rewrite would materialise a large product)."""
-    optional = ((live,) if live is not None else ()) + ((skinny_linear,) if inductor else ())
+    ``skinny_linear`` after it for specfx's own graphs (``own_graph``: a kernel choice measured
+    on its rounds, not applied to user code)."""
+    optional = ((live,) if live is not None else ()) + ((skinny_linear,) if own_graph else ())
     checks = ROUND_CHECKS if round_checks else ()
     return [Stage.of(p) for p in (*checks, *_BEFORE_LIVE_KV, *optional, *_AFTER_LIVE_KV)]
 
@@ -115,18 +115,18 @@ def run_passes(
     *,
     round_checks: bool = True,
     live: LiveKV | None = None,
-    inductor: bool = False,
+    own_graph: bool = False,
 ) -> PassReport:
     """Run ``passes`` (plain passes or :class:`Stage` s) in order, default
-    :func:`default_stages` (``round_checks``, ``live`` and ``inductor`` pick its optional stages), linting
+    :func:`default_stages` (``round_checks``, ``live`` and ``own_graph`` pick its optional stages), linting
     the graph after each and, with ``round_checks``, re-checking that no pass introduced a host
     sync. Raises :class:`PassError` naming the failing stage (but see :attr:`Stage.raises`)."""
     if passes is None:
-        stages = default_stages(round_checks=round_checks, live=live, inductor=inductor)
+        stages = default_stages(round_checks=round_checks, live=live, own_graph=own_graph)
     elif live is not None:
         raise ValueError("run_passes: give live= only with the default pipeline (passes=None)")
-    elif inductor:
-        raise ValueError("run_passes: give inductor= only with the default pipeline (passes=None)")
+    elif own_graph:
+        raise ValueError("run_passes: give own_graph= only with the default pipeline (passes=None)")
     else:
         stages = [Stage.of(p) for p in passes]
     report = PassReport(nodes_before=len(gm.graph.nodes))

@@ -1,36 +1,35 @@
-"""Transformation pass (CPU, Inductor only): a linear over a few rows and a large weight as one
-streaming reduction, weight-row outer.
+"""Transformation pass (CPU, specfx's own graphs): a linear over a few rows as ``W @ xᵀ``.
 
-A round's verification multiplies a handful of rows (K + 1 per sequence) by each weight; the
-LM head's is the largest (SmolLM2: 49152 × 576). On the CPU, the BLAS a linear calls runs such a
-product as one matrix-vector product per row below about four rows, reading the whole weight
-once per row, and a ``[V, H]`` row-major weight through its slowest path: measured on this
-project's 2-vCPU AMD EPYC, one thread, ``linear([M, 576], [49152, 576])`` took 6.8 / 13.5 / 20.2
-/ 13.2 ms at M = 1 / 2 / 3 / 5 (docs/BENCHMARKS.md). Written as an element-wise product summed
-over ``H`` with the weight's rows outermost::
+A round's verification multiplies a handful of rows (K + 1 per sequence) by every weight of the
+model. On the CPU, ``linear(x, W)`` (``x @ Wᵀ``) with so few rows goes to the BLAS's
+matrix-vector path or a GEMM blocked for many rows, which reads the weight once per row or
+handles the skinny side poorly: measured on this project's 2-vCPU AMD EPYC, one thread, 64
+distinct ``[1536, 576]`` weights (streamed from memory, like a model's) took 13.7 / 23.2 / 25.1 /
+23.5 ms at M = 1 / 2 / 3 / 5 rows, and SmolLM2's LM head (``[49152, 576]``) 6.8 / 14.8 / 22.1 /
+13.9 ms. The same product as ``W @ xᵀ`` — the weight as the GEMM's tall left operand, the rows
+as its narrow right one, ``xᵀ`` a transposed *view* — takes 13.9 / 9.3 / 12.8 / 13.9 ms and 6.8
+/ 4.5 / 5.9 / 6.7 ms: the BLAS streams the weight once for all rows. One row goes to the
+matrix-vector path either way, so a single row is fed twice and one column kept (cheaper than
+one row alone: 9.3 against 13.7 ms above)::
 
-    before:  %y = linear(%x, %w, %b)                                   # x [..., H], w [V, H]
-    after:   %x2 = %x.reshape(M, H)
-             %y2 = (%w.unsqueeze(1) * %x2.unsqueeze(0)).sum(-1)        # [V, M]
-             %y  = %y2.t().reshape(..., V) (+ %b)
+    before:  %y = linear(%x, %w, %b)                              # x [..., H], w [V, H]
+    after:   %x2 = %x.reshape(M, H)                               # (M = 1: cat([%x2, %x2]))
+             %y2 = torch.mm(%w, %x2.t())                          # [V, M]
+             %y  = %y2.t().reshape(..., V) (+ %b)                 # (M = 1: %y2[:, :1] first)
 
-Inductor's C++ backend compiles the product and the sum into one vectorised loop that reads
-each weight row once for all M rows (never materialising ``[V, M, H]``): 2.9 / 3.9 / 4.4 / 4.8 ms
-for the same shapes. The result is the same sum in another order (float rounding only).
+The result is the same dot products, summed in the BLAS's other kernel's order (float rounding
+only). It runs only where it is proven to pay:
 
-The pass rewrites only what it can prove from node meta, and only where it pays:
+- the input and the weight are float32 tensors on the CPU (on CUDA cuBLAS reads the weight once
+  at any M: BENCHMARKS, "GPU run 4");
+- the weight is 2-D ``[V, H]`` with at least :data:`MIN_WEIGHT_ELEMENTS` elements; the bias
+  absent or 1-D;
+- the input's leading dims are static and hold at most :data:`MAX_ROWS` rows.
 
-- the input and the weight are float32 tensors on the CPU (bf16/fp16 would sum in low
-  precision; on CUDA cuBLAS's GEMV is at the floor for such shapes);
-- the weight is 2-D ``[V, H]`` with at least :data:`MIN_WEIGHT_ELEMENTS` elements (below it the
-  weight sits in the cache and the BLAS call is as fast or faster: measured at 576 × 576 and
-  1536 × 576); the bias absent or 1-D;
-- the input's leading dims are static and hold at most :data:`MAX_ROWS` rows: in SmolLM2's round
-  graphs the rewrite made rounds of 1 / 2 / 3 rows 1.1 / 4.5 / 11.3 ms faster, 5 rows tied and 9 rows
-  lost 5 ms (in isolation it won at 9 rows too: the whole graph decides).
-
-It runs only in graphs Inductor compiles (the ``specfx`` backend): run eagerly, the rewritten
-graph would materialise the ``[V, M, H]`` product. Returns the number of linears rewritten.
+Only in specfx's own graphs (rounds and prefills, either backend; not user code through the
+registered backend). Inductor keeps ``xᵀ`` a strided view for its ``mm`` (a contiguous ``xᵀ``
+is 3–4× slower again). SmolLM2's compiled rounds with it: t(0) 34.6 → 31.3 ms, t(1) 49.6 → 31.6,
+t(2) 58.1 → 41.0, t(4) 60.7 → 50.5 (decision 71). Returns the number of linears rewritten.
 """
 
 from __future__ import annotations
@@ -46,8 +45,8 @@ from specfx.passes.ops import infer_meta, node_tensor
 __all__ = ["MAX_ROWS", "MIN_WEIGHT_ELEMENTS", "skinny_linear"]
 
 _LINEAR = {torch._C._nn.linear, torch.nn.functional.linear}
-MAX_ROWS = 4  # in SmolLM2's round graphs: 1-3 rows gain, 5 rows tie, 9 rows lose (decision 71)
-MIN_WEIGHT_ELEMENTS = 1 << 22  # 4M float32 elements (16 MB): far above a core's L2
+MAX_ROWS = 5  # K + 1 for K <= 4, measured in SmolLM2's rounds (decision 71)
+MIN_WEIGHT_ELEMENTS = 1 << 16  # SmolLM2's smallest projection (192 x 576) is above it, and gains
 
 
 def _operands(lin: fx.Node):
@@ -102,12 +101,12 @@ def _rewrite(graph: fx.Graph, lin: fx.Node, x: fx.Node, w: fx.Node, b) -> None:
             return node
 
         x2 = add("call_method", "reshape", x, rows, hidden)
-        wu = add("call_method", "unsqueeze", w, 1)
-        xu = add("call_method", "unsqueeze", x2, 0)
-        prod = add("call_function", operator.mul, wu, xu)
-        acc = add("call_method", "sum", prod, -1)
-        yt = add("call_method", "t", acc)
-        y = add("call_method", "reshape", yt, *xv.shape[:-1], out)
+        if rows == 1:  # one row takes the matrix-vector path: feed it twice, keep one column
+            x2 = add("call_function", torch.cat, [x2, x2])
+        acc = add("call_function", torch.mm, w, add("call_method", "t", x2))  # [V, M]
+        if rows == 1:
+            acc = add("call_function", operator.getitem, acc, (slice(None), slice(0, 1)))
+        y = add("call_method", "reshape", add("call_method", "t", acc), *xv.shape[:-1], out)
         if b is not None:
             y = add("call_function", operator.add, y, b)
         for node in steps:

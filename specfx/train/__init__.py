@@ -315,19 +315,37 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name),
                        help=f"{text} (default {getattr(defaults, name)})")  # fmt: skip
     p.add_argument("--batch", dest="batch_size", type=int, default=argparse.SUPPRESS, help="alias of --batch-size")
-    p.add_argument("--draft-layers", type=int, default=defaults.draft_layers, help="--head draft / pard: decoder layers")
+    p.add_argument(
+        "--draft-layers", type=int, default=defaults.draft_layers, help="--head draft / pard: decoder layers"
+    )
     p.add_argument("--draft-hidden", type=int, default=defaults.draft_hidden, help="--head draft / pard: hidden size")
-    p.add_argument("--pard-k", type=int, default=defaults.pard_k,
-                   help="--head pard: tokens predicted per forward, K (the reference's para_num; default 8)")
-    p.add_argument("--pard-token", type=int, default=None,
-                   help="--head pard: the mask token id, an existing id of the target's vocabulary that the data never "
-                        "uses (default: the first id past the tokenizer's vocabulary when the embedding is larger, "
-                        "else a pad id that is not BOS/EOS, else the last id)")
-    p.add_argument("--pard-cod-ratio", type=float, default=defaults.pard_cod_ratio,
-                   help="--head pard: COD, mask depth j keeps a fraction max(ratio**j, min) of the positions "
-                        "(1: keep all; default 0.7)")
-    p.add_argument("--pard-cod-min", type=float, default=defaults.pard_cod_min,
-                   help="--head pard: COD's smallest kept fraction (default 0.2)")
+    p.add_argument(
+        "--pard-k",
+        type=int,
+        default=defaults.pard_k,
+        help="--head pard: tokens predicted per forward, K (the reference's para_num; default 8)",
+    )
+    p.add_argument(
+        "--pard-token",
+        type=int,
+        default=None,
+        help="--head pard: the mask token id, an existing id of the target's vocabulary that the data never "
+        "uses (default: the first id past the tokenizer's vocabulary when the embedding is larger, "
+        "else a pad id that is not BOS/EOS, else the last id)",
+    )
+    p.add_argument(
+        "--pard-cod-ratio",
+        type=float,
+        default=defaults.pard_cod_ratio,
+        help="--head pard: COD, mask depth j keeps a fraction max(ratio**j, min) of the positions "
+        "(1: keep all; default 0.7)",
+    )
+    p.add_argument(
+        "--pard-cod-min",
+        type=float,
+        default=defaults.pard_cod_min,
+        help="--head pard: COD's smallest kept fraction (default 0.2)",
+    )
     p.add_argument("--lr", type=float, default=defaults.lr, help=f"peak learning rate, AdamW (default {defaults.lr})")
     p.add_argument("--weight-decay", type=float, default=defaults.weight_decay, help="AdamW weight decay (default 0)")
     p.add_argument(

@@ -119,6 +119,17 @@ def test_pard_learns_saves_and_drafts_losslessly(one_thread, tiny_dir, toy, tmp_
     ids = torch.tensor([[5, 17, 99, 3, 250, 8]])
     ref = model.generate(ids, max_new_tokens=10, do_sample=False)
     assert torch.equal(spec.generate(ids, max_new_tokens=10, do_sample=False), ref)
+    # the random target never agrees with the corpus; against the trained model itself as the
+    # target, proposals past depth 0 (the masks') are accepted too (a smoke check: which token
+    # each mask is trained on is pinned by the construction test above)
+    from transformers import AutoTokenizer
+
+    own = AutoModelForCausalLM.from_pretrained(out / "head").eval()
+    prompt = torch.tensor([AutoTokenizer.from_pretrained(tiny_dir)("the quick brown fox jumps over the").input_ids])
+    spec = specfx.speculate(own, draft=drafter, num_speculative_tokens=4, compile=False)
+    got = spec.generate(prompt, max_new_tokens=16, do_sample=False)
+    assert torch.equal(got, own.generate(prompt, max_new_tokens=16, do_sample=False))
+    assert spec.cumulative_stats.per_position_rate[1] > 0 and spec.cumulative_stats.tokens_per_round > 2
 
 
 def test_pard_resumes_exactly(one_thread, tiny_dir, toy, tmp_path):

@@ -1,4 +1,4 @@
-"""``specfx train``: train a Medusa, EAGLE or EAGLE-3 head (or a small draft model) for your own target.
+"""``specfx train``: train a Medusa, EAGLE or EAGLE-3 head (or a small draft model, plain or PARD) for your own target.
 
 Usage::
 
@@ -47,12 +47,21 @@ from specfx.train.cache import FeatureCache
 from specfx.train.config import FREE, LAYER_SIZES, TrainConfig
 from specfx.train.data import Windows, load_texts, streams
 from specfx.train.heads import HEADS, DraftTrain, Eagle3Train, EagleTrain, MedusaTrain, TrainHead
+from specfx.train.pard import PardTrain
 from specfx.train.schedule import lr_at
 
 __all__ = ["TrainConfig", "train", "main"]
 
 
-def build_head(cfg: TrainConfig, runner, stream, tokenizer) -> TrainHead:
+def build_head(cfg: TrainConfig, runner, stream, tokenizer, log=print) -> TrainHead:
+    if cfg.head == "pard":
+        head = PardTrain(runner, cfg.init, cfg.seed, cfg.draft_layers, cfg.draft_hidden, tokenizer, cfg.pard_k,
+                         cfg.pard_token, cfg.pard_cod_ratio, cfg.pard_cod_min)  # fmt: skip
+        seen = int((stream == head.mask_token).sum())
+        if seen:
+            log(f"warning: the PARD mask token {head.mask_token} occurs {seen} times in the training data; pass "
+                f"--pard-token with an id the tokenizer never produces")  # fmt: skip
+        return head
     if cfg.head == "draft":
         return DraftTrain(runner, cfg.init, cfg.seed, cfg.draft_layers, cfg.draft_hidden, tokenizer)
     if cfg.head == "medusa":
@@ -87,14 +96,24 @@ def load_checkpoint(ckpt: Path, head: TrainHead, opt) -> tuple[int, list]:
 
 
 # ----------------------------------------------------------------------------- evaluation
+def reads_target(head: TrainHead) -> bool:
+    """Whether the head's loss reads the target's logits or features (PARD's reads the data only)."""
+    return getattr(head, "reads_target", True)
+
+
 def heldout_metrics(head: TrainHead, runner, batches) -> tuple[float, float]:
-    losses, accs = [], []
+    """Mean held-out loss and top-1 agreement; a PARD head's per-depth agreement (over every
+    held-out batch) is left in ``head.heldout_depth_acc``."""
+    losses, accs, depths = [], [], []
     with torch.no_grad():
         for ids in batches:
-            logits, features = target_pass(runner, ids, head.taps)
+            logits, features = target_pass(runner, ids, head.taps) if reads_target(head) else (None, ())
             loss, acc = head.loss(ids.to(runner.device), features, logits)
             losses.append(loss.item())
             accs.append(acc)
+            depths.append(getattr(head, "depth_acc", []))
+    if depths[0]:
+        head.heldout_depth_acc = [sum(d[j] for d in depths) / len(depths) for j in range(len(depths[0]))]
     return sum(losses) / len(losses), sum(accs) / len(accs)
 
 
@@ -105,6 +124,7 @@ def evaluate(cfg: TrainConfig, model, head_dir: Path, kind: str, held) -> dict:
     from specfx.drafters.heads.eagle import Eagle
     from specfx.drafters.heads.eagle3 import Eagle3
     from specfx.drafters.heads.medusa import Medusa
+    from specfx.drafters.pard import Pard
     from specfx.model.load import load_causal_lm
 
     cls = {
@@ -112,6 +132,7 @@ def evaluate(cfg: TrainConfig, model, head_dir: Path, kind: str, held) -> dict:
         "eagle": Eagle,
         "eagle3": Eagle3,
         "draft": lambda d: load_causal_lm(d, device=model.device),
+        "pard": lambda d: Pard(load_causal_lm(d, device=model.device)),
     }[kind]
     n, length = cfg.eval_prompts, cfg.eval_prompt_len
     starts = torch.linspace(0, len(held) - length, n).long().tolist()
@@ -124,7 +145,8 @@ def evaluate(cfg: TrainConfig, model, head_dir: Path, kind: str, held) -> dict:
         "draft": specfx.TokenTree.topk(depth=4, branching=2, budget=16),
     }
     tree = trees.get(kind) or specfx.TokenTree.eagle2(budget=16)
-    settings["tree"] = {"tree": tree, "num_speculative_tokens": tree.size}  # pinned (unset: "auto", tree or K = 0)
+    if kind != "pard":  # PARD drafts chains only
+        settings["tree"] = {"tree": tree, "num_speculative_tokens": tree.size}  # pinned (unset: "auto", tree or K = 0)
     results = {}
     for name, kw in settings.items():
         try:
@@ -183,7 +205,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
     model = load_causal_lm(cfg.target, device=cfg.device)
     runner = ModelRunner(model, "target")
     runner.allocate(cfg.batch_size, cfg.seq_len + 1)
-    head = build_head(cfg, runner, train_ids, tokenizer)
+    head = build_head(cfg, runner, train_ids, tokenizer, log)
     params = list(head.module.parameters())
     decay = [p for p in params if p.ndim >= 2]
     other = [p for p in params if p.ndim < 2]
@@ -197,6 +219,8 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
         log(f"resumed from step {step}")
     windows = Windows(train_ids, cfg.seq_len, cfg.batch_size, cfg.seed)
     cache = None
+    if cfg.cache_features and not reads_target(head):
+        raise ValueError(f"--cache-features: --head {cfg.head} reads no target features; drop the flag.")
     if cfg.cache_features:
         cache = FeatureCache(
             out / "features", runner, train_ids, cfg.seq_len, cfg.batch_size, cfg.seed, head.taps, target_pass
@@ -215,6 +239,8 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
     while step < end:
         if cache is not None:
             ids, logits, features = cache.at(step)
+        elif not reads_target(head):
+            ids, logits, features = windows.at(step).to(runner.device), None, ()
         else:
             ids = windows.at(step).to(runner.device)
             logits, features = target_pass(runner, ids, head.taps)
@@ -230,6 +256,8 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
         if step % cfg.ckpt_every == 0 or step == end:
             held_loss, held_acc = heldout_metrics(head, runner, held)
             record.update(heldout_loss=round(held_loss, 6), heldout_acc=round(held_acc, 4))
+            if hasattr(head, "heldout_depth_acc"):
+                record["heldout_acc_per_depth"] = [round(a, 4) for a in head.heldout_depth_acc]
             history.append(record)
             save_checkpoint(ckpt, step, head, opt, history)
         else:
@@ -245,6 +273,8 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
         "final": history[-1] if history else None,
         "eval": evaluate(cfg, model, head_dir, cfg.head, held_ids) if cfg.eval_prompts > 0 and step == cfg.steps else {},
     }  # fmt: skip
+    if hasattr(head, "heldout_depth_acc"):
+        log("held-out top-1 per mask depth: " + ", ".join(f"{a:.2f}" for a in head.heldout_depth_acc))
     (out / "eval.json").write_text(json.dumps(summary, indent=1))
     for name, r in summary["eval"].items():
         if "tau" in r:
@@ -285,8 +315,37 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name),
                        help=f"{text} (default {getattr(defaults, name)})")  # fmt: skip
     p.add_argument("--batch", dest="batch_size", type=int, default=argparse.SUPPRESS, help="alias of --batch-size")
-    p.add_argument("--draft-layers", type=int, default=defaults.draft_layers, help="--head draft: decoder layers")
-    p.add_argument("--draft-hidden", type=int, default=defaults.draft_hidden, help="--head draft: hidden size")
+    p.add_argument(
+        "--draft-layers", type=int, default=defaults.draft_layers, help="--head draft / pard: decoder layers"
+    )
+    p.add_argument("--draft-hidden", type=int, default=defaults.draft_hidden, help="--head draft / pard: hidden size")
+    p.add_argument(
+        "--pard-k",
+        type=int,
+        default=defaults.pard_k,
+        help="--head pard: tokens predicted per forward, K (the reference's para_num; default 8)",
+    )
+    p.add_argument(
+        "--pard-token",
+        type=int,
+        default=None,
+        help="--head pard: the mask token id, an existing id of the target's vocabulary that the data never "
+        "uses (default: the first id past the tokenizer's vocabulary when the embedding is larger, "
+        "else a pad id that is not BOS/EOS, else the last id)",
+    )
+    p.add_argument(
+        "--pard-cod-ratio",
+        type=float,
+        default=defaults.pard_cod_ratio,
+        help="--head pard: COD, mask depth j keeps a fraction max(ratio**j, min) of the positions "
+        "(1: keep all; default 0.7)",
+    )
+    p.add_argument(
+        "--pard-cod-min",
+        type=float,
+        default=defaults.pard_cod_min,
+        help="--head pard: COD's smallest kept fraction (default 0.2)",
+    )
     p.add_argument("--lr", type=float, default=defaults.lr, help=f"peak learning rate, AdamW (default {defaults.lr})")
     p.add_argument("--weight-decay", type=float, default=defaults.weight_decay, help="AdamW weight decay (default 0)")
     p.add_argument(

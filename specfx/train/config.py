@@ -41,6 +41,10 @@ class TrainConfig:
     feature_noise: float = 0.1
     draft_layers: int = 2
     draft_hidden: int = 128
+    pard_k: int = 8
+    pard_token: int | None = None
+    pard_cod_ratio: float = 0.7
+    pard_cod_min: float = 0.2
     eval_prompts: int = 4
     eval_prompt_len: int = 64
     eval_new_tokens: int = 48
@@ -60,6 +64,15 @@ class TrainConfig:
                 f"--medusa-layout {self.medusa_layout!r}: choose {' or '.join(MEDUSA_LAYOUTS)} (docs/HEADS.md: vllm for "
                 f"vLLM, medusa for FasterDecoding's Medusa)."
             )
+        if self.pard_k < 1:
+            raise ValueError(f"--pard-k must be >= 1, got {self.pard_k}.")
+        if not 0 < self.pard_cod_ratio <= 1 or not 0 <= self.pard_cod_min <= 1:
+            raise ValueError(
+                f"--pard-cod-ratio must be in (0, 1] and --pard-cod-min in [0, 1], got {self.pard_cod_ratio} and "
+                f"{self.pard_cod_min}."
+            )
+        if self.head == "pard" and self.seq_len < self.pard_k + 2:
+            raise ValueError(f"--head pard: --seq-len must be >= --pard-k + 2, got {self.seq_len}.")
         if self.seq_len < 4:
             raise ValueError(f"--seq-len must be >= 4, got {self.seq_len}.")
         if not self.lr > 0:

@@ -23,6 +23,8 @@ Notation: a window holds tokens ``x_0 .. x_{T-1}``; the target's forward over it
   weighted ``0.8**k``.
 * **draft** (``--head draft``): a separate small causal LM, cross-entropy against ``softmax(z_t)``
   at every position (distillation; KL up to a constant).
+* **pard** (``--head pard``, :mod:`specfx.train.pard`): the same small causal LM on PARD's
+  objective: real tokens plus mask tokens in one forward, hard labels from the data.
 """
 
 from __future__ import annotations
@@ -312,4 +314,4 @@ class DraftTrain(TrainHead):
         return path
 
 
-HEADS = ("medusa", "eagle", "eagle3", "draft")
+HEADS = ("medusa", "eagle", "eagle3", "draft", "pard")  # pard: specfx.train.pard

@@ -228,3 +228,19 @@ def test_negative_control_tree_siblings_not_renormalised(monkeypatch):
         return cur, sample_from(at_stop.masked_fill(removed, 0.0), u_residual), p
 
     _assert_walk_fails_chisquare(monkeypatch, independent_siblings)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_pard_sampling_matches_exact_distribution(case):
+    """PARD's proposals at mask positions are sampled from q_i, which does not depend on the
+    proposals before them (decision 72): the samples still follow the target's distribution."""
+    target, draft = _models()
+    kwargs, warpers = CASES[case]
+    prompt = [1, 4, 2]
+    probs = _exact(target, prompt, warpers)
+    spec = specfx.speculate(target, draft=specfx.Pard(draft, mask_token_id=V - 1), num_speculative_tokens=2, compile=False)
+    torch.manual_seed(1234)
+    out = spec.generate(torch.tensor([prompt]).repeat(ROWS, 1), do_sample=True, max_new_tokens=NEW, pad_token_id=0, **kwargs)
+    assert 0.05 < spec.stats.acceptance_rate < 0.95
+    assert spec.stats.per_position[1] > 0  # proposals at the mask position were accepted too
+    assert _chisquare(out[:, len(prompt) :].tolist(), probs) > 1e-3

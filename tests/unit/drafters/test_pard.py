@@ -79,6 +79,17 @@ def test_greedy_equals_hf(draft, case, k, one_thread):
     assert spec.stats.proposed > 0
 
 
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma2", "mistral"])
+def test_greedy_equals_hf_on_the_conformance_subset(arch, case, one_thread):
+    """Issue 28 item 5's architectures (llama above), batch 1 and left-padded, a draft that
+    accepts some proposals (a perturbed copy of the target)."""
+    target, model = pair(arch, "perturbed")
+    spec = specfx.speculate(target, draft=Pard(model, mask_token_id=MASK), num_speculative_tokens=3, compile=False)
+    _check_greedy(spec, target, *CASES[case]())
+    assert spec.stats.proposed > 0
+
+
 def test_everything_accepted_at_k1_with_the_target_as_draft(one_thread):
     target, _ = pair("llama", "self")
     spec = specfx.speculate(target, draft=Pard(target, mask_token_id=MASK), num_speculative_tokens=1, compile=False)

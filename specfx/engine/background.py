@@ -180,27 +180,35 @@ class BackgroundCompiler:
             return key == self._running or key in self._queue
 
     def wait(self, key: Hashable | None = None, timeout: float | None = None) -> bool:
-        """Wait until ``key`` (None: every job) is done; False if ``timeout`` s passed first."""
+        """Wait until ``key`` is done, or with None until every job is and the worker has ended
+        (so the switch interval it shortened is restored); False if ``timeout`` s passed first."""
         with self._cond:
             return self._cond.wait_for(
-                lambda: not (self._running is not None or self._queue if key is None else key == self._running or key in self._queue),
+                lambda: self._thread is None if key is None else not (key == self._running or key in self._queue),
                 timeout,
             )
 
     def _work(self) -> None:
         _SWITCH.enter()
+        ended = False
         try:
-            self._drain()
+            ended = self._drain()
         finally:
-            _SWITCH.exit()
+            if not ended:  # _drain raised: still give the switch interval back, and end
+                _SWITCH.exit()
+                with self._cond:
+                    self._thread = None
+                    self._cond.notify_all()
 
-    def _drain(self) -> None:
+    def _drain(self) -> bool:
         while True:
             with self._cond:
                 if not self._queue:
+                    # restore the switch interval before anyone waiting sees the worker gone
+                    _SWITCH.exit()
                     self._thread = None
                     self._cond.notify_all()
-                    return
+                    return True
                 key, job = self._queue.popitem(last=False)
                 self._running = key
             try:

@@ -294,3 +294,28 @@ def test_an_exiting_program_drops_queued_compiles_and_waits_for_the_running_one(
     assert (tmp_path / "running").read_text() == "done"  # waited for
     assert not (tmp_path / "queued").exists()  # dropped
     assert "finishing the round-graph compile under way" in result.stderr
+
+
+def test_wait_returns_after_the_switch_interval_is_restored(monkeypatch):
+    """wait() (every job) returns only once the worker has ended and given the switch interval
+    back: a slow exit must not leave the caller seeing the shortened interval (CI saw this race)."""
+    import sys
+    import time
+
+    from specfx.engine import background
+
+    class SlowExit(background._SwitchInterval):
+        def exit(self):
+            time.sleep(0.2)
+            super().exit()
+
+    monkeypatch.setattr(background, "_SWITCH", SlowExit())
+    saved = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.004)
+        compiler = BackgroundCompiler()
+        compiler.submit("a", lambda: None)
+        assert compiler.wait(timeout=30)
+        assert sys.getswitchinterval() == pytest.approx(0.004)
+    finally:
+        sys.setswitchinterval(saved)

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import torch
 
 import specfx
+from specfx.bench.tasks.gpu_combo import busy_in_window
 from specfx.testing.tiny import perturbed_copy, tiny_causal_lm
 from specfx.trees.types import TokenTree
 
@@ -60,26 +61,15 @@ def profile_generate(fn, rounds_before, spec):
         for e in prof.events()
         if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
     )
-    busy, gaps, end = 0.0, [], None
-    for s, t in kernels:
-        if end is None or s > end:
-            if end is not None:
-                gaps.append(s - end)
-            busy += t - s
-            end = t
-        elif t > end:
-            busy += t - end
-            end = t
-    span = (kernels[-1][1] - kernels[0][0]) if kernels else 0.0
-    gaps.sort(reverse=True)
+    window = busy_in_window(kernels, start=float("-inf"))
     return dict(
         graph_launches=launches,
         rounds=spec.stats.rounds,
         device_kernels=len(kernels),
-        span_us=round(span, 1),
-        busy_fraction=round(busy / span, 3) if span else None,
-        gaps_over_20us=sum(1 for g in gaps if g > 20),
-        largest_gaps_us=[round(g, 1) for g in gaps[:5]],
+        span_us=round(window["span_ms"] * 1e3, 1),
+        busy_fraction=None if window["busy_fraction"] is None else round(window["busy_fraction"], 3),
+        gaps_over_20us=window["gaps_over_20us"],
+        largest_gaps_us=window["largest_gaps_us"],
     )
 
 

@@ -1,0 +1,156 @@
+"""Exact rollback of recurrent / linear-attention state (issue 29's prototype; not wired into the
+engine yet, see docs/ARCHITECTURE.md decision 76 and docs/HYBRID.md).
+
+A KV cache can hold a round's K+1 verified tokens and let the mask hide the rejected ones; a
+recurrent state cannot: after the verify forward it has absorbed all K+1. After a round that
+accepts n of K, every stateful layer must hold the state after exactly the n+1 committed inputs
+(the round's first token and the n accepted proposals; the correction or bonus is the next round's
+first input). What this module provides, generically (HF's unified linear-attention cache API of
+transformers >= 5.24: ``cache.layers[i]`` a ``LinearAttentionCacheLayerMixin`` with ``conv_states``
+and ``recurrent_states`` dicts):
+
+* :class:`StateSnapshot`: every stateful layer's conv and recurrent tensors, copied (before a
+  round) and written back (rollback), per row where a row mask says so;
+* :func:`conv_state_after`: a short causal conv's state after n+1 of the T new inputs, exactly,
+  from the old state and the inputs (the conv state is the last ``kernel`` input columns);
+* :class:`MixerTaps`: the stateful mixer modules, found generically (the innermost modules with a
+  ``layer_idx`` whose cache layer is a linear-attention layer), their inputs recorded during a
+  forward, and :meth:`MixerTaps.replay` to re-run only them on the accepted prefix of those inputs
+  from a snapshot: the state after n+1 inputs without re-running attention, MLPs or the LM head.
+
+Shapes: conv states ``[B, C, kernel]``; recurrent states per mixer kind (GDN ``[B, Hv, Dk, Dv]``,
+Mamba2 ``[B, H, Dh, N]``, Mamba1 ``[B, D, N]``); ``n``, ``keep`` ``[B]``.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+__all__ = ["MixerTaps", "StateSnapshot", "conv_state_after", "stateful_layers"]
+
+
+def stateful_layers(cache) -> list[tuple[int, LinearAttentionCacheLayerMixin]]:
+    """(layer index, layer) of every linear-attention layer of an HF cache."""
+    return [(i, layer) for i, layer in enumerate(cache.layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]
+
+
+class StateSnapshot:
+    """A copy of every conv and recurrent state tensor of ``cache`` (its stateful layers only: the
+    attention KV needs no snapshot, the mask hides rejected entries)."""
+
+    def __init__(self, cache):
+        self.tensors: list[tuple[dict, int, torch.Tensor]] = []  # (owner dict, state_idx, copy)
+        for _, layer in stateful_layers(cache):
+            for states in (layer.conv_states, layer.recurrent_states):
+                for idx, t in states.items():
+                    if t is not None:
+                        self.tensors.append((states, idx, t.clone()))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for _, _, t in self.tensors)
+
+    def restore(self, keep: torch.Tensor | None = None) -> None:
+        """Write the snapshot back in place, into every row, or only where ``keep [B]`` is False
+        (rows that keep their current state: the predicated write of a per-row rollback)."""
+        for states, idx, saved in self.tensors:
+            live = states[idx]
+            if keep is None:
+                live.copy_(saved)
+            else:
+                live.copy_(torch.where(keep.view(-1, *([1] * (saved.dim() - 1))), live, saved))
+
+
+def conv_state_after(old: torch.Tensor, new: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """The conv state after the first ``n[b] + 1`` of the T new input columns, per row.
+
+    old ``[B, C, k]`` (state before the forward), new ``[B, C, T]`` (the inputs the model handed
+    ``update_conv_state``), n ``[B]`` in 0..T-1 -> ``[B, C, k]``: columns n+1 .. n+k of
+    ``cat(old, new)``, a gather with fixed shapes (no host sync)."""
+    k = old.shape[-1]
+    full = torch.cat([old, new.to(old.dtype)], dim=-1)  # [B, C, k + T]
+    cols = n.view(-1, 1) + 1 + torch.arange(k, device=n.device)  # [B, k]
+    return full.gather(-1, cols.unsqueeze(1).expand(-1, full.shape[1], -1))
+
+
+class MixerTaps:
+    """The stateful mixers of ``model`` and, inside :meth:`recording`, their inputs.
+
+    A mixer is the innermost module with a ``layer_idx`` attribute whose cache layer (in ``cache``)
+    is a linear-attention layer: Qwen3-Next's ``Qwen3NextGatedDeltaNet``, Mamba2's ``Mamba2Mixer``,
+    no per-architecture code. Hooks are registered only inside :meth:`recording` and removed on
+    exit (the engine's version would tap the captured graph instead, as the hidden-taps pass does)."""
+
+    def __init__(self, model, cache):
+        linear = {i for i, _ in stateful_layers(cache)}
+        candidates = [
+            (name, mod) for name, mod in model.named_modules() if isinstance(getattr(mod, "layer_idx", None), int)
+        ]
+        names = {name for name, _ in candidates}
+        self.mixers = [
+            mod
+            for name, mod in candidates
+            if mod.layer_idx in linear and not any(other.startswith(name + ".") for other in names)
+        ]
+        self.inputs: dict[int, tuple[tuple, dict]] = {}
+
+    @contextmanager
+    def recording(self):
+        def hook(mod, args, kwargs):
+            self.inputs[id(mod)] = (args, kwargs)
+
+        handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in self.mixers]
+        try:
+            yield self
+        finally:
+            for h in handles:
+                h.remove()
+
+    def replay(self, cache, length: int) -> None:
+        """Re-run every mixer on the first ``length`` positions of its recorded inputs, through
+        ``cache`` (whose states the caller has restored to the pre-forward snapshot): the states
+        become those after exactly ``length`` inputs. One length for all rows (batch 1, or rows
+        that accepted alike); see :meth:`replay_steps` for per-row lengths."""
+        for mod in self.mixers:
+            args, kwargs = self.inputs[id(mod)]
+            mod(*_prefix(args, length), **_prefix_kw(kwargs, length, cache))
+
+    def replay_steps(self, cache, n: torch.Tensor, tokens: int) -> None:
+        """Per-row lengths with fixed shapes: ``tokens`` single-position mixer calls from the
+        restored snapshot, each row's state frozen once its ``n[b] + 1`` inputs are in (a
+        predicated write per step; no host sync). The caller has restored the pre-verify
+        snapshot."""
+        for t in range(tokens):
+            before = StateSnapshot(cache)
+            for mod in self.mixers:
+                args, kwargs = self.inputs[id(mod)]
+                mod(*_column(args, t), **_column_kw(kwargs, t, cache))
+            before.restore(keep=t <= n)
+
+
+def _slice(x, sl):
+    return x[:, sl] if isinstance(x, torch.Tensor) and x.dim() >= 2 else x
+
+
+def _prefix(args, length):
+    return tuple(_slice(a, slice(0, length)) for a in args)
+
+
+def _prefix_kw(kwargs, length, cache):
+    out = {k: _slice(v, slice(0, length)) for k, v in kwargs.items()}
+    for name in ("cache", "cache_params", "past_key_values"):
+        if name in out:
+            out[name] = cache
+    out["attention_mask"] = None  # a verify forward has no padding
+    return out
+
+
+def _column(args, t):
+    return tuple(_slice(a, slice(t, t + 1)) for a in args)
+
+
+def _column_kw(kwargs, t, cache):
+    return _prefix_kw({k: _slice(v, slice(t, t + 1)) for k, v in kwargs.items()}, 1, cache)

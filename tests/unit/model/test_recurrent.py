@@ -1,0 +1,151 @@
+"""Exact rollback of recurrent / linear-attention state (specfx.model.recurrent, issue 29's
+prototype): after a verify forward of K+1 inputs that accepts n, the state equals the state after
+feeding exactly n+1 inputs, per row, on a gated-delta-net model (Qwen3-Next) and a Mamba2 model."""
+
+import pytest
+import torch
+from transformers.cache_utils import DynamicCache
+
+from specfx.model.hf_names import cache_kwarg
+from specfx.model.recurrent import MixerTaps, StateSnapshot, conv_state_after, stateful_layers
+from specfx.testing.tiny import tiny_causal_lm
+
+K = 4
+TINY = {
+    "qwen3_next": dict(
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+    ),
+    "mamba2": dict(num_heads=8, head_dim=16, state_size=16, n_groups=1),
+}
+MIXERS = {"qwen3_next": "Qwen3NextGatedDeltaNet", "mamba2": "Mamba2Mixer"}
+
+
+@pytest.fixture(scope="module", params=sorted(TINY))
+def model(request):
+    return tiny_causal_lm(request.param, **TINY[request.param])
+
+
+def _cache_name(model) -> str:
+    # Mamba2 takes ``cache_params`` before transformers 5.24 (specfx's cache_kwarg knows only the
+    # names of attention models' caches)
+    return cache_kwarg(model) or "cache_params"
+
+
+def _fwd(model, ids, cache=None):
+    name = _cache_name(model)
+    out = model(input_ids=ids, use_cache=True, **({name: cache} if cache is not None else {}))
+    return out.logits, getattr(out, name)
+
+
+def _states(cache) -> list[torch.Tensor]:
+    return [t.clone() for _, _, t in StateSnapshot(cache).tensors]
+
+
+def _after(model, prompt, verify, n: int) -> list[torch.Tensor]:
+    """The reference: the states after the prompt and exactly the first n+1 verify inputs."""
+    _, cache = _fwd(model, prompt)
+    _fwd(model, verify[:, : n + 1], cache)
+    return _states(cache)
+
+
+def _close(got, want, rtol=1e-5) -> bool:
+    return all(float((g - w).abs().max()) <= rtol * float(w.abs().max()) for g, w in zip(got, want, strict=True))
+
+
+def _inputs(model, batch: int = 1, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(3, model.config.vocab_size, (batch, 12), generator=g)
+    verify = torch.randint(3, model.config.vocab_size, (batch, K + 1), generator=g)
+    return prompt, verify
+
+
+def test_mixers_are_found_from_the_cache_layers(model):
+    _, cache = _fwd(model, torch.tensor([[5, 6, 7]]))
+    taps = MixerTaps(model, cache)
+    assert [type(m).__name__ for m in taps.mixers] == [MIXERS[model.config.model_type]] * len(stateful_layers(cache))
+
+
+@torch.no_grad()
+def test_state_after_a_verify_forward_is_not_the_accepted_state(model):
+    """The problem itself (and this file's check able to fail): without rollback the state has
+    absorbed the rejected inputs."""
+    prompt, verify = _inputs(model)
+    _, cache = _fwd(model, prompt)
+    _fwd(model, verify, cache)
+    assert not _close(_states(cache), _after(model, prompt, verify, 1))
+    assert _close(_states(cache), _after(model, prompt, verify, K))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("n", range(K + 1))
+def test_conv_state_after_n_from_the_inputs_handed_to_the_cache(model, n):
+    class Recording(DynamicCache):
+        inputs: dict = {}
+
+        def update_conv_state(self, conv_states, layer_idx, *args, **kwargs):
+            self.inputs[layer_idx] = conv_states.clone()
+            return super().update_conv_state(conv_states, layer_idx, *args, **kwargs)
+
+    prompt, verify = _inputs(model)
+    cache = Recording(config=model.config)
+    cache.inputs = {}
+    _fwd(model, prompt, cache)
+    old = {i: layer.conv_states[0].clone() for i, layer in stateful_layers(cache)}
+    _fwd(model, verify, cache)
+    _, ref = _fwd(model, prompt)
+    _fwd(model, verify[:, : n + 1], ref)
+    for i, layer in stateful_layers(ref):
+        got = conv_state_after(old[i], cache.inputs[i], torch.tensor([n]))
+        assert _close([got], [layer.conv_states[0]])
+
+
+def _verified_and_restored(model, prompt, verify):
+    """The cache after the prompt, a verify forward whose mixer inputs were recorded, and the
+    restore of the pre-verify snapshot: what a rollback starts from."""
+    _, cache = _fwd(model, prompt)
+    snapshot = StateSnapshot(cache)
+    taps = MixerTaps(model, cache)
+    with taps.recording():
+        _fwd(model, verify, cache)
+    snapshot.restore()
+    return cache, taps
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("n", range(K + 1))
+def test_mixer_replay_gives_the_state_after_n_plus_1_inputs(model, n):
+    prompt, verify = _inputs(model)
+    cache, taps = _verified_and_restored(model, prompt, verify)
+    taps.replay(cache, n + 1)
+    assert _close(_states(cache), _after(model, prompt, verify, n))
+
+
+@torch.no_grad()
+def test_mixer_steps_roll_back_each_row_to_its_own_n(model):
+    """Fixed shapes, per-row n: K+1 single-position mixer calls with a predicated write."""
+    prompt, verify = _inputs(model, batch=2)
+    n = torch.tensor([1, 3])
+    cache, taps = _verified_and_restored(model, prompt, verify)
+    taps.replay_steps(cache, n, K + 1)
+    got = _states(cache)
+    for row in range(2):
+        want = _after(model, prompt[row : row + 1], verify[row : row + 1], int(n[row]))
+        assert _close([g[row : row + 1] for g in got], want, rtol=1e-4)
+
+
+@torch.no_grad()
+def test_restore_keeps_the_rows_it_is_told_to(model):
+    prompt, verify = _inputs(model, batch=2)
+    _, cache = _fwd(model, prompt)
+    before = _states(cache)
+    snapshot = StateSnapshot(cache)
+    _fwd(model, verify, cache)
+    after = _states(cache)
+    snapshot.restore(keep=torch.tensor([True, False]))
+    now = _states(cache)
+    assert _close([t[:1] for t in now], [t[:1] for t in after])
+    assert _close([t[1:] for t in now], [t[1:] for t in before])

@@ -27,9 +27,50 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
-from transformers.cache_utils import LinearAttentionCacheLayerMixin
+from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
-__all__ = ["MixerTaps", "StateSnapshot", "conv_state_after", "stateful_layers"]
+from specfx.model.cache import SlotCache
+
+__all__ = ["MixerTaps", "StateLayer", "StateSnapshot", "conv_state_after", "slot_cache_with_state", "stateful_layers"]
+
+
+class StateLayer(LinearAttentionLayer):
+    """HF's linear-attention cache layer over static buffers for every row, always "with a previous
+    state": after the allocation forward its buffers are zeroed and kept, and a zero state is no
+    state for every kernel the survey met (conv: zero left context = the prefill's zero padding;
+    scans: ``initial_state`` zeros = None), so a prefill and a verify forward take the same path
+    (one graph per shape, no Python branch on whether a row has started). HF's layer already
+    writes in place (``copy_``), which keeps the buffers' addresses for compiled graphs."""
+
+    def start(self) -> None:
+        """Zero every buffer and mark each state as present (after the allocation forward, and
+        before a new batch's prefill)."""
+        for i in range(self.number_of_states):
+            for states, ready in (
+                (self.conv_states, self.is_conv_states_initialized),
+                (self.recurrent_states, self.is_recurrent_states_initialized),
+            ):
+                if ready[i]:
+                    states[i].zero_()
+            self.has_previous_state[i] = True
+
+
+def slot_cache_with_state(config, batch_size: int, capacity: int, device) -> SlotCache:
+    """A :class:`SlotCache` whose stateful layers are :class:`StateLayer` s: which layers carry
+    KV and which carry state is read from HF's own layer mapping for the config's layer types
+    (``DynamicCache(config=...)``), not from a list of architectures. Layers with both (Falcon-H1,
+    Zamba2's hybrid layers) are refused for now."""
+    from transformers.cache_utils import DynamicCache
+
+    hf_layers = DynamicCache(config=config.get_text_config(decoder=True)).layers
+    cache = SlotCache(len(hf_layers), batch_size, capacity, device)
+    for i, hf_layer in enumerate(hf_layers):
+        stateful = isinstance(hf_layer, LinearAttentionCacheLayerMixin)
+        if stateful and isinstance(hf_layer, DynamicLayer):
+            raise ValueError(f"layer {i} ({type(hf_layer).__name__}) holds both KV and state: not prototyped yet")
+        if stateful:
+            cache.layers[i] = StateLayer(number_of_states=hf_layer.number_of_states)
+    return cache
 
 
 def stateful_layers(cache) -> list[tuple[int, LinearAttentionCacheLayerMixin]]:

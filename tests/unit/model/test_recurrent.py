@@ -149,3 +149,84 @@ def test_restore_keeps_the_rows_it_is_told_to(model):
     now = _states(cache)
     assert _close([t[:1] for t in now], [t[:1] for t in after])
     assert _close([t[1:] for t in now], [t[1:] for t in before])
+
+
+def _state_types(model) -> set[str]:
+    """The config's layer types whose HF cache layer carries state (HF's own mapping)."""
+    from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, LinearAttentionCacheLayerMixin
+
+    return {
+        t for t in model.config.layer_types if issubclass(DYNAMIC_LAYER_TYPE_MAPPING[t], LinearAttentionCacheLayerMixin)
+    }
+
+
+def _slot_forward(model, cache, ids, positions, slots, real):
+    """One forward the way specfx drives a model: KV at ``slots``, an explicit 4-D mask for the
+    attention layers and the 2-D padding mask for the stateful ones (under their layer type;
+    alone for a model of stateful layers only)."""
+    import inspect
+
+    from specfx.model.masks import build_mask, check_attn_implementation
+
+    cache.slots = slots
+    pad = None if bool(real.all()) else real.long()  # [B, T]
+    state_types = _state_types(model)
+    if state_types == set(model.config.layer_types):
+        mask = pad
+    else:
+        kv = build_mask(positions, cache.capacity, check_attn_implementation(model), model.dtype)
+        mask = {t: pad if t in state_types else kv for t in set(model.config.layer_types)}
+    kw = {"position_ids": positions} if "position_ids" in inspect.signature(model.forward).parameters else {}
+    out = model(input_ids=ids, attention_mask=mask, use_cache=True, **{_cache_name(model): cache}, **kw)
+    return out.logits
+
+
+def _full(model, seq) -> torch.Tensor:
+    return model(input_ids=seq.unsqueeze(0)).logits[0]
+
+
+@torch.no_grad()
+def test_static_state_buffers_run_rounds_like_the_full_forward(model):
+    """specfx's cache with static state layers (slot_cache_with_state), a left-padded batch of
+    two, a verify forward of K+1, per-row acceptance n = [0, 2] rolled back by the mixers' single
+    steps, then the next verify: every logit equals each row's own full forward over the tokens
+    it committed."""
+    from specfx.model.recurrent import slot_cache_with_state
+
+    g = torch.Generator().manual_seed(3)
+    vocab, cap = model.config.vocab_size, 64
+    prompts = [torch.randint(3, vocab, (n,), generator=g) for n in (7, 4)]
+    cache = slot_cache_with_state(model.config, 2, cap, model.device)
+    trash = torch.full((2, 1), cache.trash_slot)
+    _slot_forward(model, cache, torch.zeros((2, 1), dtype=torch.long), torch.zeros_like(trash), trash, trash >= 0)
+    for _, layer in stateful_layers(cache):
+        layer.start()
+
+    width = max(len(p) for p in prompts)
+    # padding with a real token (not pad_token_id, whose embedding is zero): only the 2-D mask
+    # keeps it out of the state
+    ids = torch.stack([torch.cat([torch.full((width - len(p),), 5), p]) for p in prompts])
+    real = torch.stack([torch.arange(width) >= width - len(p) for p in prompts])
+    positions = (real.long().cumsum(1) - 1).clamp(min=0)
+    logits = _slot_forward(model, cache, ids, positions, torch.where(real, positions, cache.trash_slot), real)
+    for b, p in enumerate(prompts):
+        assert _close([logits[b, -1]], [_full(model, p)[-1]], rtol=1e-4)
+
+    lengths = torch.tensor([len(p) for p in prompts])
+    committed = list(prompts)
+    for n in (torch.tensor([0, 2]), torch.tensor([1, 1]), torch.tensor([K, 0])):
+        pending = logits[:, -1].argmax(-1, keepdim=True)
+        verify = torch.cat([pending, torch.randint(3, vocab, (2, K), generator=g)], 1)  # [B, K+1]
+        positions = lengths.unsqueeze(1) + torch.arange(K + 1)
+        snapshot = StateSnapshot(cache)
+        taps = MixerTaps(model, cache)
+        with taps.recording():
+            logits = _slot_forward(model, cache, verify, positions, positions, positions >= 0)
+        for b in range(2):
+            want = _full(model, torch.cat([committed[b], verify[b]]))[-(K + 1) :]
+            assert _close([logits[b]], [want], rtol=1e-4)
+        snapshot.restore()
+        taps.replay_steps(cache, n, K + 1)
+        committed = [torch.cat([committed[b], verify[b, : int(n[b]) + 1]]) for b in range(2)]
+        lengths = lengths + n + 1
+        logits = logits.gather(1, n.view(2, 1, 1).expand(-1, 1, logits.shape[-1]))  # the last accepted column

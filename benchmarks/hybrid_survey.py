@@ -10,7 +10,8 @@ and three exactness checks through HF's own cache (the one the forward returns):
 
 * ``cont``: prefill P tokens, then ONE forward of T new tokens from that state (a verify forward)
   against the full forward over P+T tokens: max |logit diff| / max |logit|;
-* ``steps``: the same T tokens one forward each (HF's own decoding) against the full forward;
+* ``steps``: the same T tokens one forward each (HF's own decoding) against the full forward
+  (both with explicit ``position_ids`` where the forward takes them);
 * ``pad``: HF ``generate()`` (greedy) of a prompt in a left-padded batch against the same prompt at
   batch 1: max relative difference of the generated steps' logits (0: padding never enters the
   state), and whether the tokens agree.
@@ -190,6 +191,16 @@ def _forward_kw(model, field: str | None, value, start: int = 0) -> dict:
     return {}
 
 
+def _positions(model, start: int, length: int) -> dict:
+    """Explicit ``position_ids``, as specfx and HF's generate() pass them (Bamba derives wrong
+    positions from its cache without them: its cache's first layer is a state layer)."""
+    import inspect
+
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        return {}
+    return {"position_ids": torch.arange(start, start + length).unsqueeze(0)}
+
+
 def cache_summary(cache) -> tuple[str, str]:
     """(cache class and layer classes, state shapes of the first stateful layer)."""
     if cache is None:
@@ -240,7 +251,7 @@ def continuation(model, p: int = 10, t: int = 5, seed: int = 0) -> tuple[float, 
     out = model(input_ids=seq[:, :p], use_cache=True)
     field, cache = _cache_out(out)
     summary = cache_summary(cache)
-    kw = _forward_kw(model, field, cache, p)
+    kw = _forward_kw(model, field, cache, p) | _positions(model, p, t)
     if "cache_position" in kw:
         kw["cache_position"] = torch.arange(p, p + t)
     cont = model(input_ids=seq[:, p:], use_cache=True, **kw).logits[0].float()
@@ -248,7 +259,8 @@ def continuation(model, p: int = 10, t: int = 5, seed: int = 0) -> tuple[float, 
     field, cache = _cache_out(out)
     steps = []
     for i in range(t):
-        out = model(input_ids=seq[:, p + i : p + i + 1], use_cache=True, **_forward_kw(model, field, cache, p + i))
+        kw = _forward_kw(model, field, cache, p + i) | _positions(model, p + i, 1)
+        out = model(input_ids=seq[:, p + i : p + i + 1], use_cache=True, **kw)
         field2, cache2 = _cache_out(out)
         if cache2 is not None:
             field, cache = field2, cache2

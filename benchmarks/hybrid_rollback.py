@@ -35,7 +35,14 @@ import warnings
 
 import torch
 
-from specfx.model.recurrent import MixerTaps, StateSnapshot, conv_state_after, stateful_layers
+from specfx.model.recurrent import (
+    MixerTaps,
+    StateSnapshot,
+    conv_state_after,
+    masks_with_state,
+    slot_cache_with_state,
+    stateful_layers,
+)
 
 MODELS = {
     ("qwen3_next", "tiny"): dict(
@@ -302,12 +309,93 @@ def gdn_kernels(k: int, repeats: int) -> dict:
         }
 
 
+def compiled_round(arch: str, size: str, k: int, repeats: int) -> dict:
+    """The chosen rollback inside one compiled function, as a round graph would hold it: snapshot
+    (in place), the verify forward through specfx's static cache (``slot_cache_with_state``; KV
+    at slots, explicit masks) with the mixer taps on, restore, K+1 predicated mixer steps. Counts
+    Dynamo's graphs and breaks, checks Inductor's result against eager, and times the round
+    against the compiled verify forward alone (ms, batch 1)."""
+    import inspect
+
+    from specfx.model.masks import build_mask, check_attn_implementation
+
+    model = build(arch, size)
+    cache = slot_cache_with_state(model.config, 1, 128, "cpu")
+    takes_positions = "position_ids" in inspect.signature(model.forward).parameters
+    fmt = check_attn_implementation(model)
+
+    def forward(ids, positions):
+        cache.slots = positions
+        mask = masks_with_state(model.config, build_mask(positions, cache.capacity, fmt, model.dtype), None)
+        kw = {"position_ids": positions} if takes_positions else {}
+        return model(input_ids=ids, attention_mask=mask, use_cache=True, cache=cache, **kw).logits
+
+    g = torch.Generator().manual_seed(2)
+    vocab = model.config.vocab_size
+    with torch.no_grad():
+        forward(torch.zeros((1, 1), dtype=torch.long), torch.full((1, 1), cache.trash_slot))
+        for _, layer in stateful_layers(cache):
+            layer.start()
+        forward(torch.randint(3, vocab, (1, 16), generator=g), torch.arange(16).unsqueeze(0))
+    snapshot, taps = StateSnapshot(cache), MixerTaps(model, cache)
+    taps.attach()  # registering a hook cannot be traced; recording is switched by taps.on
+    ids = torch.randint(3, vocab, (1, k + 1), generator=g)
+    positions = 16 + torch.arange(k + 1).unsqueeze(0)
+    n = torch.tensor([k // 2])
+
+    def round_fn(ids, positions, n):
+        snapshot.take()
+        taps.on = True
+        logits = forward(ids, positions)
+        taps.on = False
+        snapshot.restore()
+        taps.replay_steps(cache, n, k + 1)
+        return logits
+
+    def verify_fn(ids, positions, n):
+        return forward(ids, positions)
+
+    start = [t.clone() for _, _, t in snapshot.tensors]
+    live = [(states, idx) for states, idx, _ in snapshot.tensors]
+
+    def reset():
+        for (states, idx), t in zip(live, start, strict=True):
+            states[idx].copy_(t)
+
+    out = {}
+    with torch.no_grad():
+        reset()
+        ref = round_fn(ids, positions, n)
+        ref_state = [states[idx].clone() for states, idx in live]
+        reset()
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(round_fn)(ids, positions, n)
+        out["graphs"], out["breaks"] = explained.graph_count, explained.graph_break_count
+        torch._dynamo.reset()
+        t0 = time.perf_counter()
+        compiled = torch.compile(round_fn, fullgraph=True)
+        reset()
+        got = compiled(ids, positions, n)
+        out["compile_s"] = time.perf_counter() - t0
+        out["logits_rel_diff"] = float((got - ref).abs().max() / ref.abs().max())
+        out["state_rel_diff"] = max(
+            float((states[idx] - r).abs().max() / r.abs().max().clamp_min(1e-30))
+            for (states, idx), r in zip(live, ref_state, strict=True)
+        )
+        verify = torch.compile(verify_fn, fullgraph=True)
+        for name, fn in (("eager_round_ms", round_fn), ("round_ms", compiled), ("verify_ms", verify)):
+            out[name] = median_time(lambda fn=fn: (reset(), fn(ids, positions, n)), repeats) * 1e3
+    taps.detach()
+    return out
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--archs", nargs="*", default=["qwen3_next", "mamba2"])
     parser.add_argument("--sizes", nargs="*", default=["tiny", "medium"])
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--compiled", action="store_true", help="also the chosen rollback in one Inductor graph")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -343,6 +431,17 @@ def main(argv=None) -> None:
                 s_err, l_err = exact[method]
                 print(
                     f"  | {method} | {extra:.2f} | {extra / ms['decode']:.2f} | {rnd / ms['decode']:.2f} | {s_err:.1e} | {l_err:.1e} |"
+                )
+    if args.compiled:
+        for arch in args.archs:
+            for size in args.sizes:
+                c = compiled_round(arch, size, args.k, args.repeats)
+                rows.append({"arch": arch, "size": size, "compiled_round": c})
+                print(
+                    f"\ncompiled round, {arch} {size}: {c['graphs']} graph(s), {c['breaks']} break(s), compile "
+                    f"{c['compile_s']:.0f} s; vs eager: logits {c['logits_rel_diff']:.1e}, state {c['state_rel_diff']:.1e}; "
+                    f"verify alone {c['verify_ms']:.2f} ms, verify + snapshot + mixer steps {c['round_ms']:.2f} ms "
+                    f"(eager {c['eager_round_ms']:.2f} ms), load {os.getloadavg()[0]:.2f}"
                 )
     kern = gdn_kernels(args.k, 3 * args.repeats)
     print(

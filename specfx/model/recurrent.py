@@ -31,7 +31,16 @@ from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixi
 
 from specfx.model.cache import SlotCache
 
-__all__ = ["MixerTaps", "StateLayer", "StateSnapshot", "conv_state_after", "slot_cache_with_state", "stateful_layers"]
+__all__ = [
+    "MixerTaps",
+    "StateLayer",
+    "StateSnapshot",
+    "conv_state_after",
+    "masks_with_state",
+    "slot_cache_with_state",
+    "state_layer_types",
+    "stateful_layers",
+]
 
 
 class StateLayer(LinearAttentionLayer):
@@ -53,6 +62,26 @@ class StateLayer(LinearAttentionLayer):
                 if ready[i]:
                     states[i].zero_()
             self.has_previous_state[i] = True
+
+
+def state_layer_types(config) -> set[str]:
+    """The config's layer types whose HF cache layer carries state (HF's own mapping)."""
+    from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING
+
+    types = getattr(config.get_text_config(decoder=True), "layer_types", None) or ()
+    return {t for t in types if issubclass(DYNAMIC_LAYER_TYPE_MAPPING[t], LinearAttentionCacheLayerMixin)}
+
+
+def masks_with_state(config, kv_mask: torch.Tensor, pad: torch.Tensor | None):
+    """The ``attention_mask`` of a model with stateful layers: by layer type, ``kv_mask`` (4-D)
+    for the attention layers and ``pad`` for the stateful ones (``[B, T]``, 1 on real tokens; None
+    where nothing is padding, as in every verify forward: a static choice, no sync), which HF's
+    mixers multiply their inputs by; ``pad`` alone for a model of stateful layers only."""
+    types = config.get_text_config(decoder=True).layer_types
+    stateful = state_layer_types(config)
+    if stateful == set(types):
+        return pad
+    return {t: pad if t in stateful else kv_mask for t in set(types)}
 
 
 def slot_cache_with_state(config, batch_size: int, capacity: int, device) -> SlotCache:
@@ -89,6 +118,12 @@ class StateSnapshot:
                 for idx, t in states.items():
                     if t is not None:
                         self.tensors.append((states, idx, t.clone()))
+
+    def take(self) -> None:
+        """Copy the live states into the snapshot, in place (a round's first step: the snapshot's
+        buffers are static, allocated once)."""
+        for states, idx, saved in self.tensors:
+            saved.copy_(states[idx])
 
     @property
     def nbytes(self) -> int:
@@ -137,18 +172,37 @@ class MixerTaps:
             if mod.layer_idx in linear and not any(other.startswith(name + ".") for other in names)
         ]
         self.inputs: dict[int, tuple[tuple, dict]] = {}
+        self.on = False  # record only while True (the replays call the same modules)
+        self._handles: list = []
+
+    def attach(self) -> None:
+        """Register the recording hooks (once); :meth:`recording` does it for its block. A
+        compiled round attaches before tracing and sets :attr:`on` inside: registering a hook
+        cannot be traced."""
+        if not self._handles:
+
+            def hook(mod, args, kwargs):
+                if self.on:
+                    self.inputs[id(mod)] = (args, kwargs)
+
+            self._handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in self.mixers]
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
 
     @contextmanager
     def recording(self):
-        def hook(mod, args, kwargs):
-            self.inputs[id(mod)] = (args, kwargs)
-
-        handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in self.mixers]
+        attached = not self._handles
+        self.attach()
+        self.on = True
         try:
             yield self
         finally:
-            for h in handles:
-                h.remove()
+            self.on = False
+            if attached:
+                self.detach()
 
     def replay(self, cache, length: int) -> None:
         """Re-run every mixer on the first ``length`` positions of its recorded inputs, through

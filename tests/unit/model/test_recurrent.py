@@ -151,31 +151,19 @@ def test_restore_keeps_the_rows_it_is_told_to(model):
     assert _close([t[1:] for t in now], [t[1:] for t in before])
 
 
-def _state_types(model) -> set[str]:
-    """The config's layer types whose HF cache layer carries state (HF's own mapping)."""
-    from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, LinearAttentionCacheLayerMixin
-
-    return {
-        t for t in model.config.layer_types if issubclass(DYNAMIC_LAYER_TYPE_MAPPING[t], LinearAttentionCacheLayerMixin)
-    }
-
-
 def _slot_forward(model, cache, ids, positions, slots, real):
     """One forward the way specfx drives a model: KV at ``slots``, an explicit 4-D mask for the
-    attention layers and the 2-D padding mask for the stateful ones (under their layer type;
-    alone for a model of stateful layers only)."""
+    attention layers and the 2-D padding mask for the stateful ones
+    (:func:`~specfx.model.recurrent.masks_with_state`)."""
     import inspect
 
     from specfx.model.masks import build_mask, check_attn_implementation
+    from specfx.model.recurrent import masks_with_state
 
     cache.slots = slots
     pad = None if bool(real.all()) else real.long()  # [B, T]
-    state_types = _state_types(model)
-    if state_types == set(model.config.layer_types):
-        mask = pad
-    else:
-        kv = build_mask(positions, cache.capacity, check_attn_implementation(model), model.dtype)
-        mask = {t: pad if t in state_types else kv for t in set(model.config.layer_types)}
+    kv = build_mask(positions, cache.capacity, check_attn_implementation(model), model.dtype)
+    mask = masks_with_state(model.config, kv, pad)
     kw = {"position_ids": positions} if "position_ids" in inspect.signature(model.forward).parameters else {}
     out = model(input_ids=ids, attention_mask=mask, use_cache=True, **{_cache_name(model): cache}, **kw)
     return out.logits

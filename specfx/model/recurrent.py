@@ -6,7 +6,7 @@ recurrent state cannot: after the verify forward it has absorbed all K+1. After 
 accepts n of K, every stateful layer must hold the state after exactly the n+1 committed inputs
 (the round's first token and the n accepted proposals; the correction or bonus is the next round's
 first input). What this module provides, generically (HF's unified linear-attention cache API of
-transformers >= 5.24: ``cache.layers[i]`` a ``LinearAttentionCacheLayerMixin`` with ``conv_states``
+transformers >= 5.17, the declared minimum: ``cache.layers[i]`` a ``LinearAttentionCacheLayerMixin`` with ``conv_states``
 and ``recurrent_states`` dicts):
 
 * :class:`StateSnapshot`: every stateful layer's conv and recurrent tensors, copied (before a
@@ -16,7 +16,12 @@ and ``recurrent_states`` dicts):
 * :class:`MixerTaps`: the stateful mixer modules, found generically (the innermost modules with a
   ``layer_idx`` whose cache layer is a linear-attention layer), their inputs recorded during a
   forward, and :meth:`MixerTaps.replay` to re-run only them on the accepted prefix of those inputs
-  from a snapshot: the state after n+1 inputs without re-running attention, MLPs or the LM head.
+  from a snapshot: the state after n+1 inputs without re-running attention, MLPs or the LM head;
+  :meth:`MixerTaps.replay_steps`, the same with fixed shapes and per-row n (decision 76's choice);
+* :class:`StateLayer` and :func:`slot_cache_with_state`: specfx's :class:`SlotCache` with HF's
+  linear-attention layer over zeroed static buffers where HF's layer mapping puts state, and
+  :func:`masks_with_state`, the mask dict such a model needs (4-D for attention layers, the 2-D
+  padding mask for stateful ones).
 
 Shapes: conv states ``[B, C, kernel]``; recurrent states per mixer kind (GDN ``[B, Hv, Dk, Dv]``,
 Mamba2 ``[B, H, Dh, N]``, Mamba1 ``[B, D, N]``); ``n``, ``keep`` ``[B]``.
@@ -157,8 +162,9 @@ class MixerTaps:
 
     A mixer is the innermost module with a ``layer_idx`` attribute whose cache layer (in ``cache``)
     is a linear-attention layer: Qwen3-Next's ``Qwen3NextGatedDeltaNet``, Mamba2's ``Mamba2Mixer``,
-    no per-architecture code. Hooks are registered only inside :meth:`recording` and removed on
-    exit (the engine's version would tap the captured graph instead, as the hidden-taps pass does)."""
+    no per-architecture code. Hooks are registered by :meth:`attach` (or for the block of
+    :meth:`recording`) and record only while :attr:`on`; the engine's version may tap the captured
+    graph instead, as the hidden-taps pass does."""
 
     def __init__(self, model, cache):
         linear = {i for i, _ in stateful_layers(cache)}

@@ -355,6 +355,9 @@ def compiled_round(arch: str, size: str, k: int, repeats: int) -> dict:
     def verify_fn(ids, positions, n):
         return forward(ids, positions)
 
+    def decode_fn(ids, positions, n):  # one single-token forward: "steps" costs K+1 of them
+        return forward(ids[:, :1], positions[:, :1])
+
     start = [t.clone() for _, _, t in snapshot.tensors]
     live = [(states, idx) for states, idx, _ in snapshot.tensors]
 
@@ -383,7 +386,9 @@ def compiled_round(arch: str, size: str, k: int, repeats: int) -> dict:
             for (states, idx), r in zip(live, ref_state, strict=True)
         )
         verify = torch.compile(verify_fn, fullgraph=True)
-        for name, fn in (("eager_round_ms", round_fn), ("round_ms", compiled), ("verify_ms", verify)):
+        decode = torch.compile(decode_fn, fullgraph=True)
+        timed = (("eager_round_ms", round_fn), ("round_ms", compiled), ("verify_ms", verify), ("decode_ms", decode))
+        for name, fn in timed:
             out[name] = median_time(lambda fn=fn: (reset(), fn(ids, positions, n)), repeats) * 1e3
     taps.detach()
     return out
@@ -441,7 +446,8 @@ def main(argv=None) -> None:
                     f"\ncompiled round, {arch} {size}: {c['graphs']} graph(s), {c['breaks']} break(s), compile "
                     f"{c['compile_s']:.0f} s; vs eager: logits {c['logits_rel_diff']:.1e}, state {c['state_rel_diff']:.1e}; "
                     f"verify alone {c['verify_ms']:.2f} ms, verify + snapshot + mixer steps {c['round_ms']:.2f} ms "
-                    f"(eager {c['eager_round_ms']:.2f} ms), load {os.getloadavg()[0]:.2f}"
+                    f"(eager {c['eager_round_ms']:.2f} ms), decode step {c['decode_ms']:.2f} ms (K+1 of them: "
+                    f"{(args.k + 1) * c['decode_ms']:.2f} ms), load {os.getloadavg()[0]:.2f}"
                 )
     kern = gdn_kernels(args.k, 3 * args.repeats)
     print(

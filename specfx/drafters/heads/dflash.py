@@ -101,14 +101,18 @@ class DFlash(Drafter):
     ) -> DFlash:
         """A draft for ``target`` (an HF causal LM) with seeded random weights: the target's
         sizes and rotary settings, ``num_layers`` layers, ``block_size``, taps at ``layer_ids``
-        (outputs of those target layers; default the reference's spread), ``mask_token_id``
+        (outputs of those target layers; default the reference's spread, clamped to the target's
+        layers), ``mask_token_id``
         (default the last id of the vocabulary). ``std`` defaults to the target's
         ``initializer_range``; norms are 1. Its drafts are meaningless until trained."""
         model = target.model if isinstance(target, ModelRunner) else target
         tc = model.config.get_text_config()
         vocab = model.get_input_embeddings().weight.shape[0]
         layers = tc.num_hidden_layers
-        ids = list(layer_ids) if layer_ids is not None else default_layer_ids(layers, num_layers)
+        if layer_ids is not None:
+            ids = list(layer_ids)
+        else:  # the reference's spread, kept inside a shallow target (it reaches below layer 0 under 5 layers)
+            ids = [min(max(i, 0), layers - 1) for i in default_layer_ids(layers, num_layers)]
         config = {
             "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
             "hidden_size": tc.hidden_size,

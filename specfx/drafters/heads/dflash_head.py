@@ -143,18 +143,23 @@ class DFlashAttention(nn.Module):
         _, k = apply_rotary_pos_emb(k, k, *rope)
         return k, v
 
-    def forward(self, x: torch.Tensor, rope, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor):
-        """``x [B, T, H]`` (the block), the cached context ``keys``/``values [B, kv, C, D]`` and
-        which of their slots each row sees ``visible [B, C]`` -> ``[B, T, H]``."""
+    def forward(self, x, rope, keys, values, visible: torch.Tensor, within: torch.Tensor | None = None):
+        """``x [B, T, H]`` (the block), the context's ``keys``/``values [B, kv, C, D]`` and which
+        of their slots each query sees ``visible [B, 1 or T, C]`` -> ``[B, T, H]``. The block's
+        queries see all of it (inference), or where ``within [T, T]`` (training: several
+        blocks side by side, each seeing itself only)."""
         b, t, _ = x.shape
         q = self.q_norm(self._heads(self.q_proj, x)).transpose(1, 2)  # [B, h, T, D]
         k, v = self.context_kv(x, rope)  # the block's own keys and values [B, kv, T, D]
         q, _ = apply_rotary_pos_emb(q, q, *rope)
-        group, d = self.heads // self.kv_heads, self.head_dim
+        group, d, kv = self.heads // self.kv_heads, self.head_dim, self.kv_heads
         # grouped queries as rows of their KV head: no copy of the (large) cached keys
-        qg = q.reshape(b, self.kv_heads, group * t, d) * d**-0.5
-        s_ctx = (qg @ keys.transpose(-1, -2)).masked_fill(~visible[:, None, None, :], float("-inf"))  # [B, kv, gT, C]
+        qg = q.reshape(b, kv, group * t, d) * d**-0.5
+        s_ctx = (qg @ keys.transpose(-1, -2)).view(b, kv, group, t, -1)  # [B, kv, g, T, C]
+        s_ctx = s_ctx.masked_fill(~visible[:, None, None], float("-inf")).view(b, kv, group * t, -1)
         s_blk = qg @ k.transpose(-1, -2)  # [B, kv, gT, T]: bidirectional within the block
+        if within is not None:
+            s_blk = s_blk.view(b, kv, group, t, t).masked_fill(~within, float("-inf")).view(b, kv, group * t, t)
         p = torch.cat([s_ctx, s_blk], dim=-1).softmax(dim=-1, dtype=torch.float32).to(q.dtype)
         c = keys.shape[2]
         out = p[..., :c] @ values + p[..., c:] @ v  # [B, kv, gT, D]
@@ -173,8 +178,8 @@ class DFlashLayer(nn.Module):
         self.post_attention_layernorm = Qwen3RMSNorm(h, eps=eps)
         self.mlp = Qwen3MLP(config)
 
-    def forward(self, x, rope, keys, values, visible):
-        h = x + self.self_attn(self.input_layernorm(x), rope, keys, values, visible)
+    def forward(self, x, rope, keys, values, visible, within=None):
+        h = x + self.self_attn(self.input_layernorm(x), rope, keys, values, visible, within)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -212,7 +217,19 @@ class DFlashHead(nn.Module):
         rope = self.rotary_emb(noise, positions)
         x = noise
         for layer, kv in zip(self.layers, cache.layers, strict=True):
-            x = layer(x, rope, kv.keys, kv.values, visible)
+            x = layer(x, rope, kv.keys, kv.values, visible.unsqueeze(1))
+        return self.norm(x)
+
+    def blocks(self, noise, positions, context, context_positions, visible, within):
+        """Training's forward: several blocks side by side (``noise [B, N*n, H]`` at
+        ``positions``) over a context computed here (``context [B, T, H]`` at
+        ``context_positions [B, T]``), each query seeing the context where ``visible
+        [B, N*n, T]`` and the blocks where ``within [N*n, N*n]`` -> ``[B, N*n, H]``."""
+        rope, ctx_rope = self.rotary_emb(noise, positions), self.rotary_emb(context, context_positions)
+        x = noise
+        for layer in self.layers:
+            keys, values = layer.self_attn.context_kv(context, ctx_rope)
+            x = layer(x, rope, keys, values, visible, within)
         return self.norm(x)
 
     def tensors(self) -> dict[str, torch.Tensor]:

@@ -115,8 +115,12 @@ class _Reference:
     def __init__(self, target, path):
         self.target, (self.cfg, self.w) = target, _read(path)
 
-    @torch.no_grad()
     def chain(self, seq, k):
+        return self.block_logits(seq)[1 : 1 + k].argmax(-1).tolist()
+
+    @torch.no_grad()
+    def block_logits(self, seq):
+        """The target's LM head on every block position ``[n, V]``, the block at the last token of ``seq``."""
         cfg, w = self.cfg, self.w
         fields, eps, theta = cfg["dflash_config"], cfg["rms_norm_eps"], cfg["rope_theta"]
         heads, kv, d, n = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["block_size"]
@@ -144,8 +148,7 @@ class _Reference:
             h = _rms(x, w[p + "post_attention_layernorm.weight"], eps)
             gate, up = h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T
             x = x + (F.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
-        out = _rms(x, w["norm.weight"], eps)
-        return (out[1 : 1 + k] @ self.target.get_output_embeddings().weight.T).argmax(-1).tolist()
+        return _rms(x, w["norm.weight"], eps) @ self.target.get_output_embeddings().weight.T
 
 
 def _rounds_checked(target, drafter, check, k=BLOCK - 1):

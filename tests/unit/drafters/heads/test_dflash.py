@@ -22,7 +22,7 @@ import specfx
 from specfx.drafters.heads.dflash import DFlash
 from specfx.drafters.heads.dflash_head import default_layer_ids
 from specfx.testing.tiny import tiny_causal_lm
-from tests.conftest import active_rounds, left_padded, prompt, tiered
+from tests.conftest import active_rounds, left_padded, prompt, tiered, unchanged
 from tests.unit.drafters.heads.test_eagle3 import _rms, _rotary
 
 ARCHS = ("llama", "qwen2", "qwen3", "gemma2", "mistral")
@@ -81,10 +81,9 @@ def test_greedy_equals_generate_batch_one_and_left_padded(arch, draft_dir, one_t
 
 def test_the_user_model_is_untouched_and_shared_not_copied(draft_dir, one_thread):
     target = _target("llama")
-    before = {k: v.clone() for k, v in target.state_dict().items()}
-    spec = specfx.speculate(target, draft=DFlash(draft_dir("llama")), num_speculative_tokens=3, compile=False)
-    _assert_greedy_equal(target, spec, prompt(7, seed=3))
-    assert all(torch.equal(v, target.state_dict()[k]) for k, v in before.items())
+    with unchanged(target):
+        spec = specfx.speculate(target, draft=DFlash(draft_dir("llama")), num_speculative_tokens=3, compile=False)
+        _assert_greedy_equal(target, spec, prompt(7, seed=3))
     theirs = {p.data_ptr() for p in target.parameters()}
     assert not theirs & {p.data_ptr() for p in spec.drafter.head.parameters()}
 
@@ -336,11 +335,9 @@ BAD_FOR_TARGET = {
 def test_drafts_for_another_target_are_clear_errors(case, draft_dir, tmp_path):
     edits, message = BAD_FOR_TARGET[case]
     target = _target("llama")
-    before = {k: v.clone() for k, v in target.state_dict().items()}
     path = _edited(draft_dir("llama"), tmp_path / "other", **edits)
-    with pytest.raises(ValueError, match=message):
+    with unchanged(target), pytest.raises(ValueError, match=message):
         specfx.speculate(target, draft=f"dflash:{path}", compile=False)
-    assert all(torch.equal(v, target.state_dict()[k]) for k, v in before.items())
 
 
 def test_a_wider_target_and_shapes_it_cannot_draft_are_refused(draft_dir):

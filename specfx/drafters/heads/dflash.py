@@ -140,8 +140,9 @@ class DFlash(Drafter):
 
     def save(self, path: str | Path) -> Path:
         """Write the draft to directory ``path`` (config.json and model.safetensors) in z-lab's
-        layout, which :class:`DFlash`, the reference and the serving engines that load z-lab's
-        checkpoints read (the taps written explicitly once known)."""
+        layout, which :class:`DFlash` and the reference's ``DFlashDraftModel.from_pretrained``
+        read (the taps written explicitly once known). vLLM's and SGLang's DFlash loaders serve
+        z-lab's checkpoints; what they read was not checked here at a named commit."""
         head = self.head
         config = dict(head.config)
         nested = dict(config.get("dflash_config") or {})

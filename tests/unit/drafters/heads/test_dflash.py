@@ -284,6 +284,27 @@ def test_save_round_trip_writes_z_labs_layout(draft_dir, tmp_path):
     assert all(torch.equal(v, again.head.state_dict()[k]) for k, v in drafter.head.state_dict().items())
 
 
+def test_a_config_as_z_lab_publishes_it_loads(draft_dir, tmp_path, one_thread):
+    """The keys of z-lab's published config.json (Qwen3-8B-DFlash-b16's: auto_map for its remote
+    code, which specfx never runs, the sliding-window switches off, dtype and version fields) load
+    and draft as the plain layout does."""
+    published = {
+        "architectures": ["DFlashDraftModel"], "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        "use_sliding_window": False, "sliding_window": None, "max_window_layers": 2, "attention_dropout": 0.0,
+        "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16", "transformers_version": "4.57.1",
+        "use_cache": True, "tie_word_embeddings": False, "initializer_range": 0.02,
+    }  # fmt: skip
+    path = _edited(draft_dir("llama"), tmp_path / "published", config=published)
+    target = _target("llama")
+    spec = specfx.speculate(target, draft=f"dflash:{path}", num_speculative_tokens=3, compile=False)
+    plain = specfx.speculate(target, draft=f"dflash:{draft_dir('llama')}", num_speculative_tokens=3, compile=False)
+    ours, theirs = _generate_both(target, spec, prompt(6, seed=11))
+    assert torch.equal(ours, theirs) and torch.equal(
+        ours, plain.generate(prompt(6, seed=11), max_new_tokens=12, eos_token_id=None, pad_token_id=0)
+    )
+    assert spec.stats.proposed == plain.stats.proposed and spec.stats.accepted == plain.stats.accepted
+
+
 def _edited(src, dst, config=None, drop=(), fields=None):
     cfg, w = _read(src)
     cfg.update(config or {})

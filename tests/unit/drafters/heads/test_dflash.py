@@ -285,9 +285,9 @@ def test_save_round_trip_writes_z_labs_layout(draft_dir, tmp_path):
 
 
 def test_a_config_as_z_lab_publishes_it_loads(draft_dir, tmp_path, one_thread):
-    """The keys of z-lab's published config.json (Qwen3-8B-DFlash-b16's: auto_map for its remote
-    code, which specfx never runs, the sliding-window switches off, dtype and version fields) load
-    and draft as the plain layout does."""
+    """Keys a z-lab config.json carries besides the layout's (auto_map for its remote code, which
+    specfx never runs; Qwen3's sliding-window switches, off; dtype and version fields) are read
+    or ignored: the draft drafts as the plain layout does."""
     published = {
         "architectures": ["DFlashDraftModel"], "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
         "use_sliding_window": False, "sliding_window": None, "max_window_layers": 2, "attention_dropout": 0.0,

@@ -3,7 +3,7 @@
 Top-level API: :func:`speculate`, :class:`SpeculativeGenerator`, :func:`wait_for_graphs`, :class:`SpecConfig`,
 :class:`SpecStats`, :class:`TokenTree`, :class:`PromptLookup`, :class:`Lookahead`, :class:`EarlyExit`,
 :class:`MTP`, :class:`Pard`, and heads that read the target's hidden states: :class:`Medusa`, :class:`Eagle`
-(EAGLE-1/2), :class:`Eagle3`. Building blocks: :mod:`specfx.passes` (FX passes and the ``specfx``
+(EAGLE-1/2), :class:`Eagle3`, and the DFlash block drafter over them: :class:`DFlash`. Building blocks: :mod:`specfx.passes` (FX passes and the ``specfx``
 torch.compile backend), :mod:`specfx.drafters`, :mod:`specfx.sampling.processors`.
 """
 
@@ -11,6 +11,7 @@ from specfx.api import SpeculativeGenerator, speculate, wait_for_graphs
 from specfx.config import MAX_SPECULATIVE_TOKENS, SpecConfig
 from specfx.drafters import Drafter, DraftModel
 from specfx.drafters.early_exit import EarlyExit
+from specfx.drafters.heads.dflash import DFlash
 from specfx.drafters.heads.eagle import Eagle
 from specfx.drafters.heads.eagle3 import Eagle3
 from specfx.drafters.heads.medusa import Medusa
@@ -39,6 +40,7 @@ __all__ = [
     "Medusa",
     "Eagle",
     "Eagle3",
+    "DFlash",
     "MAX_SPECULATIVE_TOKENS",
     "MAX_TREE_NODES",
     # building blocks

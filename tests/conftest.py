@@ -8,6 +8,7 @@ below), ``cuda``.
 """
 
 import os
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -92,6 +93,16 @@ def left_padded(length: int, pads, seed: int = 0, vocab: int = 128):
     ids = prompt(length, batch=len(pads), vocab=vocab, seed=seed)
     mask = (torch.arange(length) >= torch.tensor(pads).unsqueeze(1)).long()
     return ids * mask, mask
+
+
+@contextmanager
+def unchanged(model):
+    """Assert, on leaving the block, that ``model``'s parameters and buffers are what they were
+    on entering it (the user's model is never changed)."""
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    yield
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(v, after[k]) for k, v in before.items())
 
 
 def active_rounds(rounds, prompt_lengths, new: int):

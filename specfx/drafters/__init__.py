@@ -46,6 +46,7 @@ __all__ = [
     "Medusa",
     "Eagle",
     "Eagle3",
+    "DFlash",
 ]
 
 # class -> its module, imported on first access (PEP 562)
@@ -58,6 +59,7 @@ _LAZY = {
     "Medusa": "specfx.drafters.heads.medusa",
     "Eagle": "specfx.drafters.heads.eagle",
     "Eagle3": "specfx.drafters.heads.eagle3",
+    "DFlash": "specfx.drafters.heads.dflash",
 }
 
 

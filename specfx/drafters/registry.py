@@ -34,6 +34,7 @@ NAMED_DRAFTERS: dict[str, str | Callable[[str | None], Drafter]] = {
     "medusa": "specfx.drafters.heads.medusa:from_name",  # draft="medusa:DIR"
     "eagle": "specfx.drafters.heads.eagle:from_name",  # draft="eagle:DIR" (EAGLE-1/2)
     "eagle3": "specfx.drafters.heads.eagle3:from_name",  # draft="eagle3:DIR"
+    "dflash": "specfx.drafters.heads.dflash:from_name",  # draft="dflash:DIR"
 }
 
 

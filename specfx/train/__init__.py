@@ -46,21 +46,34 @@ from specfx.train import checkpoint
 from specfx.train.cache import FeatureCache
 from specfx.train.config import FREE, LAYER_SIZES, TrainConfig
 from specfx.train.data import Windows, load_texts, streams
+from specfx.train.dflash import DFlashTrain
 from specfx.train.heads import HEADS, DraftTrain, Eagle3Train, EagleTrain, MedusaTrain, TrainHead
-from specfx.train.pard import PardTrain
+from specfx.train.pard import PardTrain, default_mask_token
 from specfx.train.schedule import lr_at
 
 __all__ = ["TrainConfig", "train", "main"]
+
+
+def _warn_mask_in_data(head, stream, name: str, flag: str, log) -> None:
+    seen = int((stream == head.mask_token).sum())
+    if seen:
+        log(f"warning: the {name} mask token {head.mask_token} occurs {seen} times in the training data; pass "
+            f"{flag} with an id the tokenizer never produces")  # fmt: skip
 
 
 def build_head(cfg: TrainConfig, runner, stream, tokenizer, log=print) -> TrainHead:
     if cfg.head == "pard":
         head = PardTrain(runner, cfg.init, cfg.seed, cfg.draft_layers, cfg.draft_hidden, tokenizer, cfg.pard_k,
                          cfg.pard_token, cfg.pard_cod_ratio, cfg.pard_cod_min)  # fmt: skip
-        seen = int((stream == head.mask_token).sum())
-        if seen:
-            log(f"warning: the PARD mask token {head.mask_token} occurs {seen} times in the training data; pass "
-                f"--pard-token with an id the tokenizer never produces")  # fmt: skip
+        _warn_mask_in_data(head, stream, "PARD", "--pard-token", log)
+        return head
+    if cfg.head == "dflash":
+        token = cfg.dflash_token
+        if token is None and cfg.init is None:
+            token = default_mask_token(runner.model.config, tokenizer)
+        head = DFlashTrain(runner, cfg.init, cfg.seed, cfg.dflash_block, cfg.draft_layers, token, cfg.dflash_anchors,
+                           cfg.dflash_gamma)  # fmt: skip
+        _warn_mask_in_data(head, stream, "DFlash", "--dflash-token", log)
         return head
     if cfg.head == "draft":
         return DraftTrain(runner, cfg.init, cfg.seed, cfg.draft_layers, cfg.draft_hidden, tokenizer)
@@ -121,6 +134,7 @@ def evaluate(cfg: TrainConfig, model, head_dir: Path, kind: str, held) -> dict:
     """Held-out greedy τ and per-depth acceptance of the saved head, loaded back from
     ``head_dir`` as ``speculate()`` would, at each K and for a tree."""
     import specfx
+    from specfx.drafters.heads.dflash import DFlash
     from specfx.drafters.heads.eagle import Eagle
     from specfx.drafters.heads.eagle3 import Eagle3
     from specfx.drafters.heads.medusa import Medusa
@@ -133,6 +147,7 @@ def evaluate(cfg: TrainConfig, model, head_dir: Path, kind: str, held) -> dict:
         "eagle3": Eagle3,
         "draft": lambda d: load_causal_lm(d, device=model.device),
         "pard": lambda d: Pard(load_causal_lm(d, device=model.device)),
+        "dflash": DFlash,
     }[kind]
     n, length = cfg.eval_prompts, cfg.eval_prompt_len
     starts = torch.linspace(0, len(held) - length, n).long().tolist()
@@ -145,7 +160,7 @@ def evaluate(cfg: TrainConfig, model, head_dir: Path, kind: str, held) -> dict:
         "draft": specfx.TokenTree.topk(depth=4, branching=2, budget=16),
     }
     tree = trees.get(kind) or specfx.TokenTree.eagle2(budget=16)
-    if kind != "pard":  # PARD drafts chains only
+    if kind not in ("pard", "dflash"):  # block drafters draft chains only
         settings["tree"] = {"tree": tree, "num_speculative_tokens": tree.size}  # pinned (unset: "auto", tree or K = 0)
     results = {}
     for name, kw in settings.items():
@@ -316,7 +331,7 @@ def parser() -> argparse.ArgumentParser:
                        help=f"{text} (default {getattr(defaults, name)})")  # fmt: skip
     p.add_argument("--batch", dest="batch_size", type=int, default=argparse.SUPPRESS, help="alias of --batch-size")
     p.add_argument(
-        "--draft-layers", type=int, default=defaults.draft_layers, help="--head draft / pard: decoder layers"
+        "--draft-layers", type=int, default=defaults.draft_layers, help="--head draft / pard / dflash: decoder layers"
     )
     p.add_argument("--draft-hidden", type=int, default=defaults.draft_hidden, help="--head draft / pard: hidden size")
     p.add_argument(
@@ -346,6 +361,16 @@ def parser() -> argparse.ArgumentParser:
         default=defaults.pard_cod_min,
         help="--head pard: COD's smallest kept fraction (default 0.2)",
     )
+    dflash_flags = (
+        ("dflash_block", int, "the pending token plus block_size - 1 masks drafted in one forward (z-lab's b16: 16)"),
+        ("dflash_token", int, "the mask token id (as --pard-token's default; an --init draft keeps its own)"),
+        ("dflash_anchors", int, "blocks per window, at random anchors (SpecForge's num_anchors: 512)"),
+        ("dflash_gamma", float, "weight block position k's loss by exp(-(k - 1) / gamma) (absent: no decay)"),
+    )
+    for name, kind, text in dflash_flags:
+        default = getattr(defaults, name)
+        p.add_argument("--" + name.replace("_", "-"), type=kind, default=default,
+                       help=f"--head dflash: {text}" + (f"; default {default}" if default is not None else ""))  # fmt: skip
     p.add_argument("--lr", type=float, default=defaults.lr, help=f"peak learning rate, AdamW (default {defaults.lr})")
     p.add_argument("--weight-decay", type=float, default=defaults.weight_decay, help="AdamW weight decay (default 0)")
     p.add_argument(

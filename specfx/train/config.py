@@ -45,6 +45,10 @@ class TrainConfig:
     pard_token: int | None = None
     pard_cod_ratio: float = 0.7
     pard_cod_min: float = 0.2
+    dflash_block: int = 16
+    dflash_token: int | None = None
+    dflash_anchors: int = 512
+    dflash_gamma: float | None = None
     eval_prompts: int = 4
     eval_prompt_len: int = 64
     eval_new_tokens: int = 48
@@ -73,6 +77,14 @@ class TrainConfig:
             )
         if self.head == "pard" and self.seq_len < self.pard_k + 2:
             raise ValueError(f"--head pard: --seq-len must be >= --pard-k + 2, got {self.seq_len}.")
+        if self.dflash_block < 2 or self.dflash_anchors < 1:
+            raise ValueError(
+                f"--dflash-block must be >= 2 and --dflash-anchors >= 1, got {self.dflash_block} and {self.dflash_anchors}."
+            )
+        if self.dflash_gamma is not None and not self.dflash_gamma > 0:
+            raise ValueError(f"--dflash-gamma must be > 0 (or absent: no decay), got {self.dflash_gamma}.")
+        if self.head == "dflash" and self.seq_len < self.dflash_block + 1:
+            raise ValueError(f"--head dflash: --seq-len must be >= --dflash-block + 1, got {self.seq_len}.")
         if self.seq_len < 4:
             raise ValueError(f"--seq-len must be >= 4, got {self.seq_len}.")
         if not self.lr > 0:

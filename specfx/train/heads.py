@@ -25,6 +25,8 @@ Notation: a window holds tokens ``x_0 .. x_{T-1}``; the target's forward over it
   at every position (distillation; KL up to a constant).
 * **pard** (``--head pard``, :mod:`specfx.train.pard`): the same small causal LM on PARD's
   objective: real tokens plus mask tokens in one forward, hard labels from the data.
+* **dflash** (``--head dflash``, :mod:`specfx.train.dflash`): a DFlash draft on its block
+  objective: blocks at random anchors over the target's tapped context, hard labels from the data.
 """
 
 from __future__ import annotations
@@ -314,4 +316,4 @@ class DraftTrain(TrainHead):
         return path
 
 
-HEADS = ("medusa", "eagle", "eagle3", "draft", "pard")  # pard: specfx.train.pard
+HEADS = ("medusa", "eagle", "eagle3", "draft", "pard", "dflash")  # pard, dflash: specfx.train.pard, .dflash

@@ -131,7 +131,7 @@ def test_live_kv_must_be_a_bool_or_a_power_of_two(bad):
 
 
 def _drafters():
-    """Drafters whose own forwards read KV (draft model, early exit, MTP, EAGLE, EAGLE-3, PARD) or
+    """Drafters whose own forwards read KV (draft model, early exit, MTP, EAGLE, EAGLE-3, PARD, DFlash) or
     read the target's hidden states through captured forwards (Medusa), and prompt lookup."""
     from specfx.testing.mtp import BUILT, mtp_target
     from tests.unit.drafters.test_mtp import MtpModel
@@ -143,6 +143,7 @@ def _drafters():
         "eagle3": lambda t: specfx.Eagle3.random(t, draft_vocab_size=96, seed=1, layer_ids=[1, 2, 3]),
         "medusa": lambda t: specfx.Medusa.random(t.config.hidden_size, 128, num_heads=3),
         "pard": lambda t: specfx.Pard(t, mask_token_id=7),  # the target as its own PARD draft
+        "dflash": lambda t: specfx.DFlash.random(t, block_size=4, num_layers=2, layer_ids=[0, 2, 3], seed=1),
     }
     out = {name: (lambda make=make: (tiny_causal_lm("llama", num_layers=4), make)) for name, make in cases.items()}
     if MtpModel is not None:
@@ -160,13 +161,13 @@ def _drafters():
 DRAFTERS = _drafters()
 
 
-# MTP heads and PARD draft chains only (ARCHITECTURE "Limits today")
-DRAFTER_CASES = [(n, s) for n in sorted(DRAFTERS) for s in ("chain", "tree") if (n, s) not in (("mtp", "tree"), ("pard", "tree"))]
+# MTP heads, PARD and DFlash draft chains only (ARCHITECTURE "Limits today")
+DRAFTER_CASES = [(n, s) for n in sorted(DRAFTERS) for s in ("chain", "tree") if (n, s) not in (("mtp", "tree"), ("pard", "tree"), ("dflash", "tree"))]
 
 
 # the default tier: each drafter family once, chains and trees both covered
 DEFAULT_DRAFTER_CASES = [("early_exit", "chain"), ("prompt_lookup", "tree"), ("eagle", "chain"), ("eagle3", "tree"),
-                         ("medusa", "chain"), ("mtp", "chain"), ("pard", "chain")]
+                         ("medusa", "chain"), ("mtp", "chain"), ("pard", "chain"), ("dflash", "chain")]
 
 
 @pytest.mark.parametrize(("name", "shape"), tiered(DRAFTER_CASES, DEFAULT_DRAFTER_CASES, several=True))

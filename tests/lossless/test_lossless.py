@@ -244,3 +244,22 @@ def test_pard_sampling_matches_exact_distribution(case):
     assert 0.05 < spec.stats.acceptance_rate < 0.95
     assert spec.stats.per_position[1] > 0  # proposals at the mask position were accepted too
     assert _chisquare(out[:, len(prompt) :].tolist(), probs) > 1e-3
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_dflash_sampling_matches_exact_distribution(case):
+    """DFlash drafts its block greedily, as its reference does whatever the temperature (q
+    one-hot on each proposal; decision 74), from the target's hidden states: the samples still
+    follow the target's distribution."""
+    target, _ = _models()
+    kwargs, warpers = CASES[case]
+    prompt = [1, 4, 2]
+    probs = _exact(target, prompt, warpers)
+    drafter = specfx.DFlash.random(target, block_size=3, num_layers=1, layer_ids=[0, 1], mask_token_id=V - 1, seed=2)
+    spec = specfx.speculate(target, draft=drafter, num_speculative_tokens=2, compile=False)
+    torch.manual_seed(1234)
+    ids = torch.tensor([prompt]).repeat(ROWS, 1)
+    out = spec.generate(ids, do_sample=True, max_new_tokens=NEW, pad_token_id=0, **kwargs)
+    assert 0.05 < spec.stats.acceptance_rate < 0.95
+    assert spec.stats.per_position[1] > 0  # the second proposal of a block was accepted too
+    assert _chisquare(out[:, len(prompt) :].tolist(), probs) > 1e-3

@@ -24,7 +24,24 @@ import torch
 
 from specfx.model.load import PICKLE_SUFFIXES
 
-__all__ = ["HeadCheckpoint", "HeadLayoutWarning", "check_tensors", "read_head", "warn_engine_gaps", "write_head"]
+__all__ = [
+    "LAYER_KEYS",
+    "HeadCheckpoint",
+    "HeadLayoutWarning",
+    "check_tensors",
+    "layer_config",
+    "read_head",
+    "warn_engine_gaps",
+    "write_head",
+]
+
+# config.json keys that size a head's decoder layer, as transformers' Llama-family configs name
+# them (the rest of a head's config.json is its own or ignored)
+LAYER_KEYS = (
+    "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
+    "rms_norm_eps", "max_position_embeddings", "rope_theta", "rope_scaling", "rope_parameters", "attention_bias",
+    "mlp_bias", "vocab_size",
+)  # fmt: skip
 
 
 def _convert_hint(pickles: list[Path]) -> str:
@@ -154,3 +171,30 @@ def warn_engine_gaps(kind: str, path: str | Path, gaps: dict[str, list[str]]) ->
         HeadLayoutWarning,
         stacklevel=3,
     )
+
+
+def layer_config(config_class, keys, config: dict, error, required=("hidden_size", "num_attention_heads", "intermediate_size")):
+    """A head's decoder-layer config (``config_class``, e.g. ``LlamaConfig``) from the ``keys``
+    of its config.json dict ``config``, with the class's defaults for the optional ones.
+    ``error(what)`` makes the ValueError for what is missing or cannot run inside a round: a
+    ``required`` size that is not a positive int, query heads that are not a multiple of the
+    key/value heads, rotary scaling that changes with the sequence length."""
+    for name in required:
+        value = config.get(name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise error(f"config.json needs a positive int {name}, got {value!r}.")
+    kw = {k: config[k] for k in keys if config.get(k) is not None}
+    kw.setdefault("num_key_value_heads", kw["num_attention_heads"])
+    if kw["num_attention_heads"] % kw["num_key_value_heads"]:
+        raise error(
+            f"num_attention_heads {kw['num_attention_heads']} is not a multiple of num_key_value_heads "
+            f"{kw['num_key_value_heads']}."
+        )
+    built = config_class(**kw)
+    rope_type = (built.rope_parameters or {}).get("rope_type", "default")
+    if "dynamic" in rope_type or rope_type == "longrope":
+        raise error(
+            f"rotary scaling {rope_type!r} changes with the sequence length (a host-side decision per "
+            f"forward), which a compiled round cannot make; heads with default, linear, llama3 or yarn rotary work."
+        )
+    return built

@@ -13,19 +13,12 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from specfx.drafters.heads.checkpoint import LAYER_KEYS, layer_config
 from specfx.model.cache import SlotCache
 
 __all__ = ["KIND", "Eagle3Attention", "Eagle3Head", "Eagle3Layer", "checkpoint_error"]
 
 KIND = "EAGLE-3"
-
-# config.json keys of the head's Llama layer (the rest of the file is EAGLE-3's own or ignored)
-_LLAMA_KEYS = (
-    "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
-    "rms_norm_eps", "max_position_embeddings", "rope_theta", "rope_scaling", "rope_parameters", "attention_bias",
-    "mlp_bias", "vocab_size",
-)  # fmt: skip
-
 
 def checkpoint_error(path, what: str) -> ValueError:
     """The ValueError for what is wrong with the EAGLE-3 checkpoint at ``path``."""
@@ -90,26 +83,8 @@ def _llama_config(config: dict, where) -> LlamaConfig:
     """The head's decoder layer config (sizes, norm epsilon, activation, rotary, the target
     vocabulary's size) from its config.json, with Llama's defaults for the optional keys.
     ValueError for what is missing or cannot run inside a round."""
-    for name in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"):
-        value = config.get(name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise checkpoint_error(where, f"config.json needs a positive int {name}, got {value!r}.")
-    kw = {k: config[k] for k in _LLAMA_KEYS if config.get(k) is not None}
-    kw.setdefault("num_key_value_heads", kw["num_attention_heads"])
-    if kw["num_attention_heads"] % kw["num_key_value_heads"]:
-        raise checkpoint_error(
-            where,
-            f"num_attention_heads {kw['num_attention_heads']} is not a multiple of num_key_value_heads {kw['num_key_value_heads']}.",
-        )
-    llama = LlamaConfig(**kw)
-    rope_type = (llama.rope_parameters or {}).get("rope_type", "default")
-    if "dynamic" in rope_type or rope_type == "longrope":
-        raise checkpoint_error(
-            where,
-            f"rotary scaling {rope_type!r} changes with the sequence length (a host-side decision per "
-            f"forward), which a compiled round cannot make; heads with default, linear, llama3 or yarn rotary work.",
-        )
-    return llama
+    required = ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+    return layer_config(LlamaConfig, LAYER_KEYS, config, lambda what: checkpoint_error(where, what), required)
 
 
 class Eagle3Head(nn.Module):

@@ -132,19 +132,25 @@ def test_pard_learns_saves_and_drafts_losslessly(one_thread, tiny_dir, toy, tmp_
     assert spec.cumulative_stats.per_position_rate[1] > 0 and spec.cumulative_stats.tokens_per_round > 2
 
 
-def test_pard_resumes_exactly(one_thread, tiny_dir, toy, tmp_path):
-    common = ("--eval-prompts", "0", "--ckpt-every", "2", "--warmup", "1")
-    assert main(args(tiny_dir, toy, tmp_path / "a", "--steps", "4", *common)) == 0
-    assert main(args(tiny_dir, toy, tmp_path / "b", "--steps", "4", "--stop-after", "2", *common)) == 0
+def assert_resumes_exactly(make_args, tmp_path):
+    """A run stopped at step 2 and resumed ends where an uninterrupted one does: the same losses
+    step by step, the same parameters and optimizer state. ``make_args(out, *extra)``."""
+    common = ("--eval-prompts", "0", "--ckpt-every", "2", "--warmup", "1", "--steps", "4")
+    assert main(make_args(tmp_path / "a", *common)) == 0
+    assert main(make_args(tmp_path / "b", "--stop-after", "2", *common)) == 0
     assert json.loads((tmp_path / "b" / "ckpt" / "meta.json").read_text())["step"] == 2
-    assert main(args(tiny_dir, toy, tmp_path / "b", "--steps", "4", *common)) == 2  # no --resume: refused
-    assert main(args(tiny_dir, toy, tmp_path / "b", "--steps", "4", "--resume", *common)) == 0
+    assert main(make_args(tmp_path / "b", *common)) == 2  # no --resume: refused
+    assert main(make_args(tmp_path / "b", "--resume", *common)) == 0
     ha = json.loads((tmp_path / "a" / "ckpt" / "meta.json").read_text())
     hb = json.loads((tmp_path / "b" / "ckpt" / "meta.json").read_text())
     assert hb["step"] == 4 and ha["history"] == hb["history"]  # same losses step by step
     a = load_file(str(tmp_path / "a" / "ckpt" / "state.safetensors"))
     b = load_file(str(tmp_path / "b" / "ckpt" / "state.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_pard_resumes_exactly(one_thread, tiny_dir, toy, tmp_path):
+    assert_resumes_exactly(lambda out, *extra: args(tiny_dir, toy, out, *extra), tmp_path)
 
 
 def test_pard_from_init_keeps_the_family_and_the_mask_token(one_thread, tiny_dir, toy, tmp_path, capsys):

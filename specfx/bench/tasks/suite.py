@@ -29,7 +29,8 @@ specfx's generators are compiled unless ``--no-compile``; each (mode, batch size
 Timing: every method is warmed up over every category first (graphs compile there; a specfx
 generator first runs the widest batch, since its buffers and live-KV bound only grow and each
 growth compiles its graphs again; then ``spec.wait_for_graphs()`` where it has it); then ``--repeats`` interleaved repeats
-(repeat r runs, category by category, every method over the category's prompts). A method's
+(repeat r runs category by category and, inside a category, prompt by prompt, every method on
+each prompt in turn, so that a change of load mid-category falls on every method). A method's
 speed on a category is the median over repeats of tokens generated / seconds. Greedy outputs
 are compared token for token with hf_dynamic's (warm-up and every repeat); the command exits
 with status 1 if a specfx output differs (an HF peer that differs is reported, not fatal).
@@ -255,11 +256,21 @@ def bench_config(args, methods, specs, batches: dict, mode: str, eos_ids: set[in
     bar = tqdm(total=args.repeats * len(cats) * len(live), desc="timed repeats", leave=False, file=sys.stderr)
     for r in range(args.repeats):
         for c in cats:
+            # methods interleaved prompt by prompt, so that a change of the machine's load in the
+            # middle of a category falls on every method alike
+            runs = {name: ([], [], SpecStats() if name in specs else None) for name in live}
+            bar.set_postfix_str(f"repeat {r + 1} {c}")
+            for i, b in enumerate(batches[c]):
+                for name in live:
+                    seconds, outs, stats = run_category(methods[name], [b], sync, seeds[c][i : i + 1], specs.get(name))
+                    runs[name][0].append(seconds)
+                    runs[name][1].extend(outs)
+                    if stats is not None:
+                        runs[name][2].merge(stats)
             for name in live:
-                bar.set_postfix_str(f"repeat {r + 1} {c} {name}")
-                seconds, outs, stats = run_category(methods[name], batches[c], sync, seeds[c], specs.get(name))
+                times, outs, stats = runs[name]
                 res = results[name]["categories"][c]
-                res["times_s"].append(seconds)
+                res["times_s"].append(sum(times))
                 res["tokens"].append(sum(count_new_tokens(o, w, eos_ids) for o, w in zip(outs, widths[c], strict=True)))
                 if mode == "greedy" and name != BASELINE and c in reference:
                     res["mismatches"].append(_mismatches(outs, reference[c]))

@@ -151,7 +151,7 @@ def test_quick_fills_only_what_is_not_given():
         (["--batch-sizes", "one"], "--batch-sizes takes comma-separated integers"),
         (["--max-new-tokens", "0"], "must be >= 1"),
         (["--temperature", "0"], "--temperature must be > 0"),
-        (["--drafters", "default,bogus"], "--drafters takes 'default' and/or drafter names (eagle"),
+        (["--drafters", "default,bogus"], "--drafters takes 'default' and/or drafter names (dflash, eagle"),
     ],
 )
 def test_bad_arguments_say_what_to_pass(argv, message, capsys):

@@ -6,6 +6,7 @@
 #   nolive    the same at batch 16 with the live-KV cut off (what the cut buys on the GPU)
 #   ctx4096   8B/1B batch 1 at context 4096: HF static + compile, oracle, the 1B draft
 #   small     1B/150M at batch 4 and 16: oracle, the 150M draft, self-draft
+#   block     PARD and DFlash compiled on CUDA (gpu_check's drafter section), if 90 s are left
 # Results: $OUT/bench_r5_*.json and $OUT/log.txt (at most 8 files come back).
 set -u
 OUT=${OUT:-/tmp/out}
@@ -39,4 +40,15 @@ step ctx4096 100 150 --assume layer_s=0.6 --shapes 8b-1b --batches 1 --contexts 
   --methods hf_dynamic,hf_static_compiled,specfx_oracle,specfx_draft --alphas 1 --no-overhead
 step small 90 600 --assume layer_s=0.6 --shapes 1b-150m --batches 4,16 --contexts 512 \
   --methods hf_static_compiled,specfx_oracle,specfx_draft,specfx_self --alphas 1 --no-overhead
+# issue 28 item 5: the block drafters (PARD, DFlash) compiled on CUDA: greedy equal to generate(),
+# one graph, sync-free rounds (gpu_check's drafter section), if 90 s are left
+left=$(( DEADLINE - $(date +%s) ))
+if (( left >= 90 )); then
+  echo "=== block drafters: $(date +%T), ${left}s left" | tee -a "$LOG"
+  timeout $(( left - 5 )) python3 -m specfx.cli bench gpu_check --sections drafters --only pard,dflash --deadline-s $(( left - 15 )) \
+    --out-dir /tmp/r5 2>&1 | tee -a "$LOG" | grep -v "^USDT"
+  cp /tmp/r5/gpu_check.json "$OUT"/gpu_check_block.json 2>/dev/null
+else
+  echo "=== block drafters: skipped, ${left}s left (needs 90s)" | tee -a "$LOG"
+fi
 echo "=== done $(date +%T)" | tee -a "$LOG"

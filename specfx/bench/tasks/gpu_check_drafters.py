@@ -90,6 +90,8 @@ def drafter_cases():
         ("draft_model", lambda t, d: dict(draft=d, num_speculative_tokens=4)),
         # a PARD block draft: one forward of window + K tokens per round (mask id: any id the prompts avoid)
         ("pard", lambda t, d: dict(draft=specfx.Pard(d, mask_token_id=1), num_speculative_tokens=4)),
+        # a DFlash block draft over the target's tapped hidden states: one block forward per round
+        ("dflash", lambda t, d: dict(draft=specfx.DFlash.random(t, block_size=5, seed=1), num_speculative_tokens=4)),
         ("prompt_lookup", lambda t, d: dict(draft="prompt_lookup", num_speculative_tokens=4)),
         ("early_exit", lambda t, d: dict(draft="early_exit:1", num_speculative_tokens=3)),
         # trees pinned (num_speculative_tokens = the node count): the tree every round, never "auto"'s K = 0

@@ -312,10 +312,11 @@ def test_gpu_check_smoke_on_cpu(tmp_path):
     from specfx.bench.tasks import gpu_check
 
     gpu_check.main(["--device", "cpu", "--backend", "specfx_eager", "--sections", "drafters", "--only",
-                    "prompt_lookup,eagle_chain,pard", "--out-dir", str(tmp_path)])  # fmt: skip
+                    "prompt_lookup,eagle_chain,pard,dflash", "--out-dir", str(tmp_path)])  # fmt: skip
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     assert [(r["name"], r["greedy_equal"], r["ok"]) for r in result["drafters"]] == [
         ("pard", True, True),
+        ("dflash", True, True),
         ("prompt_lookup", True, True),
         ("eagle_chain", True, True),
     ]

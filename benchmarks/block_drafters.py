@@ -17,7 +17,12 @@ logits at K positions), the target's verification over K + 1 tokens, and the tar
 1-token step. (round = draft + verify) / step is the τ a round needs to pay back against plain
 decoding. Then the compiled rounds' times that "auto" measured in part 1 (t(K) per K): a
 block drafter's t(K) minus the default's (prompt lookup, whose draft costs next to nothing) is
-its draft's cost inside the compiled round.
+its draft's cost inside the compiled round, on a quiet machine (each generator measures its
+rounds at its own moment: under a changing load the difference is noise; its t(K) / t(0) is not).
+
+Printed first: every generator side by side, one table per batch size (tokens/s over HF
+``generate()``'s per category, τ in brackets, the mean, the token check); ``--report-only --out
+DIR`` prints it again from an earlier run's ``suite.json``.
 
     PYTHONPATH=. python benchmarks/block_drafters.py \\
         --drafters default,eagle3:specfx/demo/smollm2_eagle3,pard:$HOME/.cache/specfx/smollm2-pard/pard/head@4,\\
@@ -48,7 +53,7 @@ BLOCK_DRAFTERS = ("pard",)  # the drafters whose round is one draft forward over
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--drafters", required=True, help="comma-separated: default, NAME[:ARG][@K] (see suite --help)")
+    p.add_argument("--drafters", default="default", help="comma-separated: default, NAME[:ARG][@K] (see suite --help)")
     p.add_argument("--num-prompts", type=int, default=1, help="the first N prompts of each category (default 1)")
     p.add_argument("--categories", default=",".join(suite.CATEGORIES))
     p.add_argument("--batch-sizes", default="1,4")
@@ -57,6 +62,7 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--context", type=int, default=256, help="part 2: tokens before the round (default 256)")
     p.add_argument("--profile-repeats", type=int, default=9, help="part 2: timed forwards per shape (median)")
+    p.add_argument("--report-only", action="store_true", help="print the tables of an earlier run's --out")
     p.add_argument("--no-compile", action="store_true", help="eager rounds (a smoke run; not for timings)")
     p.add_argument("--out", type=Path, default=Path("bench_results") / "block_drafters")
     return p.parse_args(argv)
@@ -152,8 +158,43 @@ def compiled_round_times(out: Path) -> list[str]:
     return lines
 
 
+def side_by_side(out: Path) -> list[str]:
+    """Every generator of ``suite.json`` in one table per batch size: tokens/s over HF ``generate()``'s
+    per category (τ in brackets), their mean, and the token check."""
+    runs = json.loads((out / "suite.json").read_text())["runs"]
+    lines = []
+    for batch, run in runs.get("greedy", {}).items():
+        methods = run["methods"]
+        hf = {c: r["tokens_per_s"] for c, r in methods[suite.BASELINE]["categories"].items()}
+        lines += [
+            f"batch {batch}: tokens/s over HF generate()'s (τ), HF generate() tok/s "
+            + " ".join(f"{c} {v:.1f}" for c, v in hf.items()),
+            "| generator | " + " | ".join(hf) + " | mean | τ mean | same tokens as HF |",
+            "|---|" + "---:|" * (len(hf) + 2) + "---|",
+        ]
+        for name, res in methods.items():
+            cats = res.get("categories", {})
+            if res.get("status") != "ok" or set(cats) != set(hf):
+                lines.append(f"| {name} | not run: {res.get('reason', '?')[:80]} |")
+                continue
+            ratios = [cats[c]["tokens_per_s"] / hf[c] for c in hf]
+            taus = [cats[c].get("tau") for c in hf]
+            cells = [f"{r:.2f}x" + (f" ({t:.2f})" if t is not None else "") for r, t in zip(ratios, taus, strict=True)]
+            tau = f"{statistics.mean(taus):.2f}" if None not in taus else "-"
+            same = (
+                "ref"
+                if name == suite.BASELINE
+                else ("yes" if all(cats[c].get("same_tokens_as_hf_dynamic", True) for c in hf) else "NO")
+            )
+            lines.append(f"| {name} | {' | '.join(cells)} | **{statistics.mean(ratios):.2f}x** | {tau} | {same} |")
+    return lines
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.report_only:
+        print("\n".join(side_by_side(args.out) + compiled_round_times(args.out)))
+        return 0
     from specfx.demo.smollm2 import load_smollm2
 
     command = "python benchmarks/block_drafters.py " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -163,7 +204,8 @@ def main(argv=None) -> int:
     model, tokenizer = load_smollm2(torch.float32, "cpu")
     with torch_threads(args.threads):
         status = suite.run(sargs, model, tokenizer, "SmolLM2-135M-Instruct")
-        lines = block_profile(args, model, tokenizer, sargs.drafter_list) + compiled_round_times(args.out)
+        lines = side_by_side(args.out) + block_profile(args, model, tokenizer, sargs.drafter_list)
+        lines += compiled_round_times(args.out)
     print("\n".join(lines))
     print(f"torch threads {args.threads}; load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     (args.out / "block_profile.md").write_text("\n".join(lines) + "\n")

@@ -5,7 +5,7 @@ PARD's objective (``specfx train --head pard``, ARCHITECTURE decision 73) on the
 data as the EAGLE-3 head (``benchmarks/data/smollm2_self_answers``) and its trainer defaults
 (AdamW, lr 1e-3, 10 warm-up steps, cosine), seeded, checkpointed every 15 steps. Budget: far
 below the head's: a step here (8 windows x 256 tokens, about 860 entries per window with COD at
-K = 8, a 49,152-way LM head on each) takes 26 s on one idle thread of this CPU (35-55 s on the
+K = 8, a 49,152-way LM head on each) takes 26 s on one idle thread of this CPU (31-57 s on the
 shared one) against the head's 3.0 s on two, so its 800 steps would take ~6 h; the run recorded
 in docs/BENCHMARKS.md did 45 steps (what fit a session), 1/18 of the head's windows.
 

@@ -17,6 +17,7 @@ prompts each, rendered with the model's chat template. The model is SmolLM2-135M
                       :func:`specfx.bench.harness.hf_assisted`)             (batch 1 only)
     specfx            specfx.speculate(model): prompt lookup, "auto" K
     specfx[NAME]      specfx.speculate(model, draft=NAME), one per ``--drafters`` name
+    specfx[NAME@K]    the same with num_speculative_tokens=K (a fixed K; without @K: "auto")
 
 HF refuses assisted generation at batch > 1: its two speculative methods are "n/a" there.
 Each mode of ``--modes`` (greedy; sample: temperature 0.7, ``torch.manual_seed(seed + i)``
@@ -103,7 +104,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--drafters",
         default="default",
         help="comma-separated specfx generators: 'default' (specfx.speculate(model)) and/or drafter\n"
-        "names passed as draft=NAME, e.g. default,lookahead (default: default)",
+        "names passed as draft=NAME, e.g. default,lookahead (default: default); NAME@K fixes K\n"
+        "(num_speculative_tokens=K, e.g. pard:DIR@8), else K is 'auto'",
     )
     p.add_argument("--prompt-lookup-num-tokens", type=int, default=10, help="HF prompt lookup's K (HF's default 10)")
     p.add_argument("--early-exit", type=int, default=8, help="N of HF's assistant_early_exit=N (default 8)")
@@ -153,11 +155,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--num-prompts must be >= 1, got {args.num_prompts}")
     from specfx.drafters.registry import NAMED_DRAFTERS
 
-    unknown = [d for d in args.drafter_list if d != "default" and d.partition(":")[0] not in NAMED_DRAFTERS]
-    if not args.drafter_list or unknown:
+    def known(item: str) -> bool:
+        name, at, k = item.rpartition("@") if "@" in item else (item, "", "")
+        fixed_k = not at or (k.isdigit() and int(k) >= 1)
+        return fixed_k and (name == "default" or name.partition(":")[0] in NAMED_DRAFTERS)
+
+    if not args.drafter_list or not all(map(known, args.drafter_list)):
         p.error(
             f"--drafters takes 'default' and/or drafter names ({', '.join(sorted(NAMED_DRAFTERS))}; an argument "
-            f"after a colon, e.g. early_exit:8), got {args.drafters!r}"
+            f"after a colon, e.g. early_exit:8; a fixed K after @, e.g. pard:DIR@8), got {args.drafters!r}"
         )
     if args.temperature <= 0:
         p.error(f"--temperature must be > 0 (greedy is --modes greedy), got {args.temperature}")
@@ -185,9 +191,11 @@ def build_methods(args, model, batch: int, mode: str) -> tuple[dict, dict]:
     specs = {}
     for drafter in args.drafter_list:
         name = "specfx" if drafter == "default" else f"specfx[{drafter}]"
+        drafter, at, k = drafter.rpartition("@") if "@" in drafter else (drafter, "", "")
         draft = None if drafter == "default" else drafter
+        fixed = dict(num_speculative_tokens=int(k)) if at else {}  # without @K: speculate()'s default, "auto"
         try:
-            spec = specs[name] = specfx.speculate(model, draft=draft, compile=not args.no_compile)
+            spec = specs[name] = specfx.speculate(model, draft=draft, compile=not args.no_compile, **fixed)
         except (ValueError, TypeError) as e:  # a drafter that does not apply is reported as not run
             methods[name] = lambda b, e=e: _raise(e)
             continue
@@ -283,6 +291,9 @@ def bench_config(args, methods, specs, batches: dict, mode: str, eos_ids: set[in
             events = specs[name].compile_events
             results[name]["graphs_compiled_while_timed"] = len(events) - compiled[name]
             results[name]["compile_s"] = sum(e.seconds for e in events)
+            auto = specs[name].auto_k
+            if auto is not None and auto.times:  # "auto"'s measured round time per K (K = 0: plain decoding)
+                results[name]["round_times_s"] = {str(k): t for k, t in auto.times.items()}
         for res in results[name]["categories"].values():
             _finish(res, mode, compared=name != BASELINE and bool(reference))
     return results

@@ -152,12 +152,31 @@ def test_quick_fills_only_what_is_not_given():
         (["--max-new-tokens", "0"], "must be >= 1"),
         (["--temperature", "0"], "--temperature must be > 0"),
         (["--drafters", "default,bogus"], "--drafters takes 'default' and/or drafter names (dflash, eagle"),
+        (["--drafters", "default@0"], "a fixed K after @, e.g. pard:DIR@8"),
+        (["--drafters", "prompt_lookup@auto"], "a fixed K after @"),
     ],
 )
 def test_bad_arguments_say_what_to_pass(argv, message, capsys):
     with pytest.raises(SystemExit):
         suite.parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+def test_a_drafter_at_k_runs_with_that_fixed_k_and_without_at_k_auto():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=64, pad_token_id=0
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    args = suite.parse_args(["--drafters", "default,prompt_lookup@3,default@5", "--no-compile"])
+    methods, specs = suite.build_methods(args, model, 2, "greedy")
+    assert set(specs) == {"specfx", "specfx[prompt_lookup@3]", "specfx[default@5]"}
+    assert specs["specfx"].auto_k is not None
+    assert (specs["specfx[prompt_lookup@3]"].auto_k, specs["specfx[prompt_lookup@3]"].k) == (None, 3)
+    assert (specs["specfx[default@5]"].auto_k, specs["specfx[default@5]"].k) == (None, 5)
+    assert "specfx[default@5]" in methods
 
 
 def test_help_is_plain_text(capsys):

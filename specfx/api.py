@@ -81,6 +81,24 @@ def speculate(
     return SpeculativeGenerator(model, draft, config)
 
 
+def _check_stateful(runner, drafter, config) -> None:
+    """ValueError for what a target with recurrent or linear-attention state cannot run yet
+    (decision 76: eager chain rounds, with a drafter that does not run the target's layers; trees
+    and hidden-state taps are refused by the runner's own tree and taps refusals)."""
+    who = f"{runner.role} ({type(runner.model).__name__}) keeps recurrent or linear-attention state"
+    if drafter.runs_target_layers:
+        raise ValueError(
+            f"{who}, which specfx rolls back only after its own verify forward: the {drafter.name!r} drafter "
+            f"runs the target's layers, which would advance that state. Use a draft model or "
+            f"draft='prompt_lookup'."
+        )
+    if config.compile:
+        raise ValueError(
+            f"{who}; its rollback runs eagerly only for now (the compiled round is not wired yet). "
+            f"Pass compile=False to speculate()."
+        )
+
+
 class SpeculativeGenerator:
     """A target model plus a drafter, generating speculatively.
 
@@ -98,6 +116,8 @@ class SpeculativeGenerator:
         penalty_counts_left_padding()  # read eagerly: the prefill graphs read it as a constant
         self.target_runner = ModelRunner(model, role="target")
         self.drafter = resolve_drafter(draft, model)
+        if self.target_runner.stateful:
+            _check_stateful(self.target_runner, self.drafter, config)
         self.drafter.bind(self.target_runner)
         self.target_runner.check_taps(self.drafter.taps)  # the hidden states it reads exist
         self.plan = plan_rounds(config, self.drafter, self.target_runner)

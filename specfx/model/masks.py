@@ -94,14 +94,18 @@ def layer_pattern(config, layer_type: str, model_name: str) -> Pattern:
     return (kind, size)
 
 
-def mask_plan(config, model_name: str) -> MaskPlan:
+def mask_plan(config, model_name: str, stateful: bool = False) -> MaskPlan:
     """The masks a model needs, from its config: ``layer_types`` when present (one mask per
     distinct type; a dict when they differ), else ``sliding_window`` (all layers sliding) or
     plain causal. Unknown layer types (linear attention, recurrent state, sparse indexers...)
-    raise: specfx cannot keep their state per row with rollback."""
+    raise: specfx cannot keep their state per row with rollback; except, for a model admitted with
+    state (``stateful``: ``_is_stateful``, decision 76), the types HF's mapping gives state only
+    (:func:`state_only_layer_types`), which take the runner's 2-D padding mask instead."""
     layer_types = getattr(config, "layer_types", None)
     if layer_types:
-        state_only = state_only_layer_types(layer_types)  # their 2-D mask is the runner's (decision 76)
+        # a stateful model's (admitted: _is_stateful) state-only layers take the runner's 2-D mask
+        # (decision 76); elsewhere such a type is refused below, as every unknown type
+        state_only = state_only_layer_types(layer_types) if stateful else set()
         by_type = {t: layer_pattern(config, t, model_name) for t in dict.fromkeys(layer_types) if t not in state_only}
         if not by_type:  # stateful layers only: no attention mask is used
             return MaskPlan(("full", None), None)

@@ -69,7 +69,7 @@ class ModelRunner:
         check_weights_loaded(model, role)
         self.mask_format = check_attn_implementation(model)
         config = model.config.get_text_config()
-        self.mask_plan = mask_plan(config, type(model).__name__)
+        self.mask_plan = mask_plan(config, type(model).__name__, stateful=bool(getattr(model, "_is_stateful", False)))
         self.model = model
         self.role = role
         self.num_layers = config.num_hidden_layers

@@ -147,3 +147,12 @@ def test_state_without_hf_linear_attention_layers_stays_refused():
     m = tiny_causal_lm("mamba", hidden_size=32, state_size=4)
     with pytest.raises(ValueError, match=r"recurrent or linear-attention state"):
         specfx.speculate(m, draft="prompt_lookup", compile=False)
+
+
+def test_conv_layers_of_a_model_not_marked_stateful_stay_refused():
+    """LFM2's short-conv layers keep state, yet the model does not set ``_is_stateful``: refused as
+    before (its conv layers' type has no mask), not driven without a rollback."""
+    m = tiny_causal_lm("lfm2", layer_types=["conv", "full_attention"])
+    assert not m._is_stateful
+    with pytest.raises(ValueError, match=r"layers of type 'conv'.*cannot roll back"):
+        specfx.speculate(m, draft="prompt_lookup", compile=False)

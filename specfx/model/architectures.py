@@ -62,7 +62,7 @@ class ArchSpec:
     ``if_causal``: supported only where the installed implementation decodes incrementally
     (:func:`decodes_incrementally`); elsewhere refused by the probe and left out of :func:`supported`.
     ``stateful``: recurrent or linear-attention state (decision 76), supported as a target with
-    eager chain rounds only (no draft role, trees, taps or compiled rounds yet), so left out of
+    chain rounds only, eager or `specfx_eager` (no draft role, trees, taps or Inductor yet), so left out of
     :func:`supported`'s generic matrix; ``tests/unit/model/test_hybrid_speculate.py`` checks them."""
 
     status: str
@@ -163,13 +163,13 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     **{
         name: _state(
             "gated-delta-net linear attention + full attention: static state buffers, snapshot before the "
-            "verify forward, rollback by the mixers' single steps (target only, eager chain rounds)"
+            "verify forward, rollback by the mixers' single steps (target only, chain rounds, eager or specfx_eager)"
         )
         for name in ("qwen3_next", "qwen3_5_text")
     },
     "mamba2": _state(
         "Mamba2 SSD layers only (no attention: the 2-D padding mask is its whole mask): static state buffers, "
-        "snapshot before the verify forward, rollback by the mixers' single steps (target only, eager chain rounds)"
+        "snapshot before the verify forward, rollback by the mixers' single steps (target only, chain rounds, eager or specfx_eager)"
     ),
     # --- refused with a clear error
     **{

@@ -121,12 +121,12 @@ class ModelRunner:
     def scratch_cache(self, batch_size: int, capacity: int):
         """Buffers of this shape for the ``with`` block only (a check at ``speculate()`` time,
         before the generator allocates); the runner's own cache is back afterwards."""
-        saved = self.cache
+        saved = self.cache, self.state_snapshot, self.mixer_taps
         try:
             self._allocate_buffers(batch_size, capacity)
             yield self.cache
         finally:
-            self.cache = saved
+            self.cache, self.state_snapshot, self.mixer_taps = saved
 
     def _allocate_buffers(self, batch_size: int, capacity: int) -> None:
         if self.stateful:
@@ -154,6 +154,11 @@ class ModelRunner:
         removed before this returns), for :meth:`roll_back_state`."""
         self.state_snapshot.take()
         taps = self.mixer_taps
+        if taps.attached:  # compiled rounds: attached around the call (attach_state_hooks), not traced
+            taps.on = True
+            out = self.forward(ids, positions, slots)
+            taps.on = False
+            return out
         with taps.recording():
             return self.forward(ids, positions, slots)
 
@@ -165,6 +170,18 @@ class ModelRunner:
         shapes, per-row n, no host sync)."""
         self.state_snapshot.restore()
         self.mixer_taps.replay_steps(self.cache, n - 1, tokens)
+        self.mixer_taps.inputs.clear()  # never replayed again (a graph traced without hooks fails, not reuses)
+
+    def attach_state_hooks(self) -> None:
+        """Register the mixers' recording hooks for a stretch of compiled rounds (a graph records
+        through them only if they are there when it is traced and run); :meth:`detach_state_hooks`
+        removes them. Eager rounds register them around each verify forward themselves."""
+        if self.mixer_taps is not None:
+            self.mixer_taps.attach()
+
+    def detach_state_hooks(self) -> None:
+        if self.mixer_taps is not None:
+            self.mixer_taps.detach()
 
     def forward(
         self,

@@ -129,10 +129,35 @@ def test_refused_as_a_draft_model(model):
         specfx.speculate(target, draft=model, compile=False)
 
 
+@torch.no_grad()
+def test_compiled_round_is_one_graph_and_equals_generate(model, one_thread):
+    """The round traced as one graph (``specfx_eager``): the mixer hooks are attached around the
+    compiled calls, not traced; two left-padded batches of the same bucket run one graph."""
+    drafter = WrongEveryThird(torch.zeros((4, 64), dtype=torch.long), model.config.vocab_size)
+    spec = specfx.speculate(model, draft=drafter, num_speculative_tokens=K, backend="specfx_eager")
+    for (ids, mask), new in ((left_padded(10, [3, 0, 6], seed=2), 16), (left_padded(12, [2, 0, 5], seed=4), 14)):
+        expected = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+        table = _table(expected, mask)
+        drafter.table.zero_()
+        drafter.table[: table.shape[0], : table.shape[1]] = table  # in place: the graph's input
+        got = spec.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+        assert torch.equal(got, expected)
+        assert 0 < spec.stats.accepted < spec.stats.proposed
+    assert len(spec.graphs) == 1, f"{len(spec.graphs)} graphs"
+    assert all(not m._forward_pre_hooks for m in model.modules())
+
+
+@torch.no_grad()
+def test_returning_the_cache_is_refused(model, one_thread):
+    spec = specfx.speculate(model, draft="prompt_lookup", num_speculative_tokens=K, compile=False)
+    with pytest.raises(ValueError, match=r"cannot return the cache.*recurrent.*return_dict_in_generate=False"):
+        spec.generate(prompt(6, seed=8), max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+
+
 @pytest.mark.parametrize(
     ("options", "match"),
     [
-        (dict(compile=True), r"rollback runs eagerly only.*compile=False"),
+        (dict(compile=True), r"backend='specfx_eager' only.*Pass compile=False or backend='specfx_eager'"),
         (dict(compile=False, tree=specfx.TokenTree([(0,), (1,), (0, 0)])), r"chain only.*no tree="),
         (dict(compile=False, draft="early_exit:1"), r"runs the target's layers"),
     ],

@@ -81,6 +81,24 @@ def speculate(
     return SpeculativeGenerator(model, draft, config)
 
 
+def _check_stateful(runner, drafter, config) -> None:
+    """ValueError for what a target with recurrent or linear-attention state cannot run yet
+    (decision 76: eager chain rounds, with a drafter that does not run the target's layers; trees
+    and hidden-state taps are refused by the runner's own tree and taps refusals)."""
+    who = f"{runner.role} ({type(runner.model).__name__}) keeps recurrent or linear-attention state"
+    if drafter.runs_target_layers:
+        raise ValueError(
+            f"{who}, which specfx rolls back only after its own verify forward: the {drafter.name!r} drafter "
+            f"runs the target's layers, which would advance that state. Use a draft model or "
+            f"draft='prompt_lookup'."
+        )
+    if config.compile and config.backend != "specfx_eager":
+        raise ValueError(
+            f"{who}; its compiled round is verified with backend='specfx_eager' only for now (Inductor "
+            f"not yet). Pass compile=False or backend='specfx_eager' to speculate()."
+        )
+
+
 class SpeculativeGenerator:
     """A target model plus a drafter, generating speculatively.
 
@@ -98,6 +116,8 @@ class SpeculativeGenerator:
         penalty_counts_left_padding()  # read eagerly: the prefill graphs read it as a constant
         self.target_runner = ModelRunner(model, role="target")
         self.drafter = resolve_drafter(draft, model)
+        if self.target_runner.stateful:
+            _check_stateful(self.target_runner, self.drafter, config)
         self.drafter.bind(self.target_runner)
         self.target_runner.check_taps(self.drafter.taps)  # the hidden states it reads exist
         self.plan = plan_rounds(config, self.drafter, self.target_runner)
@@ -118,6 +138,8 @@ class SpeculativeGenerator:
         background = config.background_compile
         if background is None:  # decision 67: where a compile costs minutes and is measured
             background = config.compile and config.backend == "specfx" and self.device.type == "cpu"
+            # a stateful target's round is traced only while its mixer hooks are attached (decision 76)
+            background = background and not self.target_runner.stateful
         self.graph_cache = GraphCache(
             config.backend,
             max_graphs,
@@ -333,7 +355,10 @@ class SpeculativeGenerator:
         # One mode for every call: buffers made under inference_mode would refuse the in-place
         # updates of a later normal call, and grad mode is part of the compiled graphs' guards.
         with self._lock, torch.inference_mode(False), torch.no_grad():
-            return self._generate(inputs, kwargs)
+            try:
+                return self._generate(inputs, kwargs)
+            finally:
+                self.target_runner.detach_state_hooks()  # the user's model keeps no hook (decision 76)
 
     def _generate(self, inputs, kwargs):
         tr = self.target_runner
@@ -345,6 +370,8 @@ class SpeculativeGenerator:
         # trash slot), so the longest prompt, not its bucket, sizes the buffers: attention reads
         # every slot of them (or, compiled, the live ones: decision 45)
         self._ensure_state(rows, seq_len + req.max_new_tokens + self.k + 2)
+        if self.spec_config.compile:  # compiled rounds record a stateful target's mixers through hooks
+            tr.attach_state_hooks()
         self.graph_cache.grow_live(self.state_slots.shape[1], self.live_bound(seq_len, req.max_new_tokens))
         load_request(self.state, req, batch, self.device)
         # [rows, bucket]: columns past HF's own width hold -1 (never a token: the repetition

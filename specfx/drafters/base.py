@@ -67,6 +67,9 @@ class Drafter:
     # speculation paying again after turning it off (specfx.engine.auto_k). False: it keeps state that
     # K = 0 rounds leave behind, and "auto" keeps speculation off for the rest of the call.
     resumable = False
+    # True when drafting runs the target's own layers (early exit): it would advance a stateful
+    # target's recurrent state, which only the round's verify forward may (decision 76).
+    runs_target_layers = False
 
     # ----------------------------------------------------------------- setup (host, at speculate())
     def bind(self, target: ModelRunner) -> None:

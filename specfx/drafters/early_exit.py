@@ -135,6 +135,7 @@ class EarlyExit(TreeDrafting, Drafter):
     """
 
     name = "early_exit"
+    runs_target_layers = True
 
     def __init__(self, layer: int):
         self.layer = _check_layer(layer)

@@ -201,6 +201,8 @@ def prefill_step(target, drafter, state: RoundState, shape: RoundShape, vocab: i
     counted = real | ((ids >= 0) & (ids < vocab)) if penalty_counts_left_padding() else real
     given = torch.where(counted, ids, PLACEHOLDER)
     ids = torch.where(real, ids, PLACEHOLDER)
+    if getattr(target, "stateful", False):
+        target.reset_state()  # every row restarts from a zero state (= no state)
     out = target.forward(ids, pos, slots, taps=drafter.taps, last_only=True)
     logits, features = out if drafter.taps else (out, None)  # logits [B, 1, V]: the last column's
     drafter.prefill(ids, pos, slots)
@@ -300,7 +302,13 @@ def round_step(target, drafter, state: RoundState, shape: RoundShape, vocab: int
     pending = s.tokens.gather(1, lengths.unsqueeze(1))  # [B, 1]
     ids = torch.cat([pending, proposals], dim=1)  # [B, K+1]
     pos = lengths.unsqueeze(1) + torch.arange(k + 1, device=ids.device)  # [B, K+1]
-    verified = target.forward(ids, pos, pos, taps=taps)
+    # recurrent state (decision 76): the verify forward absorbs all K+1 inputs, so it is recorded
+    # and rolled back below to each row's emitted count (K = 0 keeps its one input: no rollback)
+    roll_back = getattr(target, "stateful", False) and k > 0
+    if roll_back:
+        verified = target.verify_recording(ids, pos, pos)  # no taps: refused with state
+    else:
+        verified = target.forward(ids, pos, pos, taps=taps)
     logits, features = verified if taps else (verified, None)
     scores = ctx.process(logits, 0, list(proposals.split(1, dim=1)))
     if sample:
@@ -312,6 +320,8 @@ def round_step(target, drafter, state: RoundState, shape: RoundShape, vocab: int
         out, n_accepted = greedy_verify(scores, proposals)
 
     out, n, emitted, done = truncate(s, out, n_accepted, active)
+    if roll_back:  # the state after each row's first n inputs: the pending token and n - 1 accepted
+        target.roll_back_state(n, k + 1)
     if sample:  # HF raises when it samples from a NaN distribution; flag it for the host's next read
         s.invalid.copy_(s.invalid | (p.isnan().any(dim=-1) & emitted).any(dim=1))
 

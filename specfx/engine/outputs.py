@@ -15,6 +15,7 @@ from transformers.cache_utils import DynamicCache
 
 from specfx.model.cache import SlotCache
 from specfx.model.hf_names import cache_kwarg, output_cache_field
+from specfx.model.recurrent import stateful_layers
 
 __all__ = ["build_output_cache", "generate_output", "step_tuples"]
 
@@ -50,6 +51,12 @@ def build_output_cache(
     prompt_lengths, counts = prompt_lengths.to(device), counts.to(device)
     prompt_width = sequences.shape[1] - int(counts.max())
     common = prompt_width + int(counts.min()) - 1  # entries every row has in specfx's buffers
+    if stateful_layers(cache):  # recurrent state (decision 76)
+        raise ValueError(
+            f"return_dict_in_generate: cannot return the cache for {type(model).__name__}: it keeps recurrent "
+            f"or linear-attention state, which specfx does not export into HF's cache yet. Pass "
+            f"return_dict_in_generate=False, or run model.generate() to continue from a cache."
+        )
     dynamic = DynamicCache(config=model.config.get_text_config(decoder=True))
     if len(dynamic.layers) != len(cache.layers):
         raise ValueError(

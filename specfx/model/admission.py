@@ -34,7 +34,14 @@ from specfx.model.probe import (
     tree_logits,
 )
 
-__all__ = ["check_causal_lm", "check_incremental", "check_weights_loaded", "taps_refusal", "tree_refusal"]
+__all__ = [
+    "check_causal_lm",
+    "check_incremental",
+    "check_weights_loaded",
+    "state_refusal",
+    "taps_refusal",
+    "tree_refusal",
+]
 
 _CAUSAL_LM_CLASSES = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
 
@@ -61,17 +68,67 @@ def check_causal_lm(model, role: str) -> None:
     if declared is not None and declared.status == "unsupported":
         raise ValueError(f"{role} ({name}) is not supported by specfx: {declared.reason}.")
     if getattr(model, "_is_stateful", False):
-        raise ValueError(
-            f"{role} ({name}) keeps recurrent or linear-attention state (Mamba/RWKV/hybrid-style "
-            f"layers). Speculation needs to discard rejected tokens per row, which such state "
-            f"cannot undo, so specfx cannot speculate this model."
-        )
-    if cache_kwarg(model.forward) is None:
+        why = state_refusal(model, role)
+        if why is not None:
+            raise ValueError(why)
+    if cache_kwarg(model.forward) is None and state_cache_kwarg(model) is None:
         raise ValueError(
             f"{role} ({name}) does not take a KV cache (its forward has neither a cache nor a "
             f"past_key_values argument), so its decoding cannot be driven incrementally; specfx "
             f"cannot speculate it."
         )
+
+
+def state_cache_kwarg(model) -> str | None:
+    """``"cache_params"`` for a stateful model whose forward takes its cache under that name (Mamba2
+    before transformers 5.24, an HF ``Cache`` with the linear-attention API all the same), else
+    None. Asked only where :func:`~specfx.model.hf_names.cache_kwarg` finds no attention cache name."""
+    import inspect
+
+    if not getattr(model, "_is_stateful", False):
+        return None
+    return "cache_params" if "cache_params" in inspect.signature(model.forward).parameters else None
+
+
+def state_refusal(model, role: str) -> str | None:
+    """Why specfx cannot speculate ``model``, which keeps recurrent or linear-attention state, or
+    None if it can (decision 76): as the target, when every stateful layer of HF's own cache
+    layout for its config (``DynamicCache(config=...)``) is an HF linear-attention layer holding
+    no KV, and its type is not declared refused in the architecture table (the types whose exact
+    rollback is not verified yet). The incremental-decoding probe then checks it by running it."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer, LinearAttentionCacheLayerMixin
+
+    name = type(model).__name__
+    who = f"{role} ({name}) keeps recurrent or linear-attention state (Mamba/RWKV/hybrid-style layers)"
+    if role != "target":
+        return (
+            f"{who}. specfx rolls back such state only in the target model for now: a stateful draft "
+            f"model is not supported. Use an attention-only draft model or draft='prompt_lookup'."
+        )
+    declared = ARCHITECTURES.get(getattr(model.config, "model_type", None))
+    if declared is not None and declared.status == "refused":
+        return (
+            f"{who}. Speculation needs to discard rejected tokens per row; specfx rolls back only the state "
+            f"kinds it has verified (see the README's supported models), and not this model type's yet, "
+            f"so specfx cannot speculate this model."
+        )
+    try:
+        layers = DynamicCache(config=model.config.get_text_config(decoder=True)).layers
+    except Exception as e:
+        return f"{who}, and its cache layout cannot be read from its config ({type(e).__name__}: {e}); specfx cannot speculate it."
+    stateful = [i for i, layer in enumerate(layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]
+    both = [i for i in stateful if isinstance(layers[i], DynamicLayer)]
+    if not stateful:
+        return (
+            f"{who} outside HF's linear-attention cache API (Cache.update_conv_state / "
+            f"update_recurrent_state), so specfx cannot snapshot and roll it back; it cannot speculate this model."
+        )
+    if both:
+        return (
+            f"{who}, and its layers {both} hold attention KV and state together, which specfx does not roll "
+            f"back yet; it cannot speculate this model."
+        )
+    return None
 
 
 def check_weights_loaded(model, role: str) -> None:
@@ -108,7 +165,8 @@ def check_incremental(runner, capacity: int) -> None:
             f"runs it exactly. Check the weights and dtype (float16 overflow is a common cause)."
         )
     failure = _probe(runner, seq, full, capacity)
-    if failure is not None and runner.probed_capacity == 0 and runner.mask_plan.single == ("full", None):
+    retry = not getattr(runner, "stateful", False)  # the rowwise protocol has no state rollback
+    if failure is not None and retry and runner.probed_capacity == 0 and runner.mask_plan.single == ("full", None):
         runner.protocol = "rowwise_2d"  # e.g. ALiBi from a 2-D mask (Bloom)
         if _probe(runner, seq, full, capacity) is None:
             failure = None
@@ -196,6 +254,12 @@ def tree_refusal(runner) -> str | None:
             f"row by row, letting transformers build its causal mask), so its attention cannot be "
             f"given a token tree's mask; use a chain (num_speculative_tokens=K, no tree=)."
         )
+    if getattr(runner, "stateful", False):
+        return (
+            f"{runner.role} ({type(runner.model).__name__}) keeps recurrent or linear-attention state, which "
+            f"specfx rolls back along a chain only (a token tree would need one state per branch); use a "
+            f"chain (num_speculative_tokens=K, no tree=)."
+        )
     if runner.tree_failure is None:
         runner.tree_failure = _probe_tree(runner) or ""
     if runner.tree_failure:
@@ -234,5 +298,11 @@ def taps_refusal(runner) -> str | None:
             f"{runner.role} ({type(runner.model).__name__}) needs a 2-D padding mask (specfx drives it "
             f"row by row), so its hidden states cannot be tapped in one forward; drafters that "
             f"read the target's hidden states (MTP, Medusa, EAGLE) cannot serve it."
+        )
+    if getattr(runner, "stateful", False):
+        return (
+            f"{runner.role} ({type(runner.model).__name__}) keeps recurrent or linear-attention state, whose "
+            f"rollback is not wired into the tapped forward yet; drafters that read the target's hidden "
+            f"states (MTP, Medusa, EAGLE, DFlash) cannot serve it. Use a draft model or draft='prompt_lookup'."
         )
     return None

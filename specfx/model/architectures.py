@@ -60,13 +60,17 @@ __all__ = [
 class ArchSpec:
     """One row: status, what the architecture exercises, and tiny-config overrides.
     ``if_causal``: supported only where the installed implementation decodes incrementally
-    (:func:`decodes_incrementally`); elsewhere refused by the probe and left out of :func:`supported`."""
+    (:func:`decodes_incrementally`); elsewhere refused by the probe and left out of :func:`supported`.
+    ``stateful``: recurrent or linear-attention state (decision 76), supported as a target with
+    chain rounds only, eager or `specfx_eager` (no draft role, trees, taps or Inductor yet), so left out of
+    :func:`supported`'s generic matrix; ``tests/unit/model/test_hybrid_speculate.py`` checks them."""
 
     status: str
     features: str = ""
     reason: str = ""
     overrides: dict = field(default_factory=dict)
     if_causal: bool = False
+    stateful: bool = False
 
 
 def _s(features: str = "", **overrides) -> ArchSpec:
@@ -75,6 +79,10 @@ def _s(features: str = "", **overrides) -> ArchSpec:
 
 def _r(reason: str, **overrides) -> ArchSpec:
     return ArchSpec("refused", reason=reason, overrides=overrides)
+
+
+def _state(features: str, **overrides) -> ArchSpec:
+    return ArchSpec("supported", features, overrides=overrides, stateful=True)
 
 
 def _u(reason: str) -> ArchSpec:
@@ -151,12 +159,24 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         )
         for name in ("big_bird", "megatron-bert", "rembert")
     },
+    # --- recurrent / linear-attention state rolled back exactly (decision 76): target only, eager chains
+    **{
+        name: _state(
+            "gated-delta-net linear attention + full attention: static state buffers, snapshot before the "
+            "verify forward, rollback by the mixers' single steps (target only, chain rounds, eager or specfx_eager)"
+        )
+        for name in ("qwen3_next", "qwen3_5_text")
+    },
+    "mamba2": _state(
+        "Mamba2 SSD layers only (no attention: the 2-D padding mask is its whole mask): static state buffers, "
+        "snapshot before the verify forward, rollback by the mixers' single steps (target only, chain rounds, eager or specfx_eager)"
+    ),
     # --- refused with a clear error
     **{
         name: _r(_STATE)
         for name in (
-            "bamba bailing_hybrid falcon_h1 falcon_mamba granitemoehybrid jamba kimi_linear lfm3 mamba mamba2 "
-            "nemotron_h olmo_hybrid qwen3_5_text qwen3_5_moe_text qwen3_next qwen4_exp_text recurrent_gemma "
+            "bamba bailing_hybrid falcon_h1 falcon_mamba granitemoehybrid jamba kimi_linear lfm3 mamba "
+            "nemotron_h olmo_hybrid qwen3_5_moe_text qwen4_exp_text recurrent_gemma "
             "rwkv xlstm zamba zamba2 deepseek_v4 lara_mini"
         ).split()
     },
@@ -224,7 +244,10 @@ def supported(decodes_incrementally_by_type: Callable[[str], bool]) -> list[str]
     return [
         name
         for name, spec in ARCHITECTURES.items()
-        if spec.status == "supported" and installed(name) and (not spec.if_causal or decodes_incrementally_by_type(name))
+        if spec.status == "supported"
+        and not spec.stateful
+        and installed(name)
+        and (not spec.if_causal or decodes_incrementally_by_type(name))
     ]
 
 

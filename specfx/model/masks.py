@@ -28,6 +28,7 @@ __all__ = [
     "check_attn_implementation",
     "layer_pattern",
     "mask_plan",
+    "state_only_layer_types",
     "to_format",
     "visible_slots",
 ]
@@ -93,14 +94,21 @@ def layer_pattern(config, layer_type: str, model_name: str) -> Pattern:
     return (kind, size)
 
 
-def mask_plan(config, model_name: str) -> MaskPlan:
+def mask_plan(config, model_name: str, stateful: bool = False) -> MaskPlan:
     """The masks a model needs, from its config: ``layer_types`` when present (one mask per
     distinct type; a dict when they differ), else ``sliding_window`` (all layers sliding) or
     plain causal. Unknown layer types (linear attention, recurrent state, sparse indexers...)
-    raise: specfx cannot keep their state per row with rollback."""
+    raise: specfx cannot keep their state per row with rollback; except, for a model admitted with
+    state (``stateful``: ``_is_stateful``, decision 76), the types HF's mapping gives state only
+    (:func:`state_only_layer_types`), which take the runner's 2-D padding mask instead."""
     layer_types = getattr(config, "layer_types", None)
     if layer_types:
-        by_type = {t: layer_pattern(config, t, model_name) for t in dict.fromkeys(layer_types)}
+        # a stateful model's (admitted: _is_stateful) state-only layers take the runner's 2-D mask
+        # (decision 76); elsewhere such a type is refused below, as every unknown type
+        state_only = state_only_layer_types(layer_types) if stateful else set()
+        by_type = {t: layer_pattern(config, t, model_name) for t in dict.fromkeys(layer_types) if t not in state_only}
+        if not by_type:  # stateful layers only: no attention mask is used
+            return MaskPlan(("full", None), None)
         if len(set(by_type.values())) == 1:
             return MaskPlan(next(iter(by_type.values())), None)
         return MaskPlan(None, by_type)
@@ -108,6 +116,20 @@ def mask_plan(config, model_name: str) -> MaskPlan:
     if isinstance(window, int) and window > 0 and getattr(config, "use_sliding_window", True) is not False:
         return MaskPlan(("sliding", window), None)
     return MaskPlan(("full", None), None)
+
+
+def state_only_layer_types(layer_types) -> set[str]:
+    """The layer types whose HF cache layer keeps recurrent or linear-attention state and no KV
+    (HF's own layer mapping, ``DYNAMIC_LAYER_TYPE_MAPPING``): they take the 2-D padding mask, not
+    an attention mask (a layer holding both KV and state is not one of them: refused elsewhere)."""
+    from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, DynamicLayer, LinearAttentionCacheLayerMixin
+
+    found = set()
+    for t in layer_types:
+        cls = DYNAMIC_LAYER_TYPE_MAPPING.get(t)
+        if cls is not None and issubclass(cls, LinearAttentionCacheLayerMixin) and not issubclass(cls, DynamicLayer):
+            found.add(t)
+    return found
 
 
 def check_attn_implementation(model) -> str:

@@ -145,7 +145,11 @@ def incremental_logits(runner, seq: torch.Tensor) -> torch.Tensor:
         col = torch.arange(size, device=seq.device)
         pos = start + col - offset  # [2, size]
         ids = torch.where(col < accepted, seq[pos], (seq[pos] + 1) % vocab)  # rejected: other tokens
-        out = runner.forward(ids, pos, pos)
+        if getattr(runner, "stateful", False):  # recurrent state: rolled back to the accepted inputs
+            out = runner.verify_recording(ids, pos, pos)
+            runner.roll_back_state(torch.full((2,), accepted, device=seq.device), size)
+        else:
+            out = runner.forward(ids, pos, pos)
         for r in range(2):
             rows[r].append(out[r, :accepted])
         start += accepted

@@ -1,5 +1,6 @@
-"""Exact rollback of recurrent / linear-attention state (issue 29's prototype; not wired into the
-engine yet, see docs/ARCHITECTURE.md decision 76 and docs/HYBRID.md).
+"""Exact rollback of recurrent / linear-attention state (issue 29; wired into the engine by
+:class:`~specfx.model.runner.ModelRunner` for stateful targets, see docs/ARCHITECTURE.md decision 76
+and docs/HYBRID.md).
 
 A KV cache can hold a round's K+1 verified tokens and let the mask hide the rejected ones; a
 recurrent state cannot: after the verify forward it has absorbed all K+1. After a round that
@@ -181,22 +182,26 @@ class MixerTaps:
         self.on = False  # record only while True (the replays call the same modules)
         self._handles: list = []
 
+        def hook(mod, args, kwargs):  # one function for every attach: a compiled graph guards on it
+            if self.on:
+                self.inputs[id(mod)] = (args, kwargs)
+
+        self._hook = hook
+        self.attached = False  # a plain flag a compiled graph can read (not the hook handles)
+
     def attach(self) -> None:
         """Register the recording hooks (once); :meth:`recording` does it for its block. A
         compiled round attaches before tracing and sets :attr:`on` inside: registering a hook
         cannot be traced."""
         if not self._handles:
-
-            def hook(mod, args, kwargs):
-                if self.on:
-                    self.inputs[id(mod)] = (args, kwargs)
-
-            self._handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in self.mixers]
+            self._handles = [m.register_forward_pre_hook(self._hook, with_kwargs=True) for m in self.mixers]
+            self.attached = True
 
     def detach(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self.attached = False
 
     @contextmanager
     def recording(self):

@@ -18,6 +18,7 @@ from specfx.model.admission import (
     check_causal_lm,
     check_incremental,
     check_weights_loaded,
+    state_cache_kwarg,
     taps_refusal,
     tree_refusal,
 )
@@ -25,10 +26,12 @@ from specfx.model.cache import SlotCache
 from specfx.model.hf_names import cache_kwarg
 from specfx.model.masks import TreeView, check_attn_implementation, mask_plan
 from specfx.model.probe import probe_capacity, probe_length
+from specfx.model.recurrent import MixerTaps, StateSnapshot, masks_with_state, slot_cache_with_state, stateful_layers
 from specfx.model.taps import TapCaptures
 from specfx.trees.types import DynamicTree, TokenTree
 
 __all__ = ["ModelRunner", "cache_layer_count"]
+
 
 def cache_layer_count(model, num_layers: int) -> int:
     """How many cache layers the model writes: ``num_layers``, or more when its forward grows
@@ -66,7 +69,7 @@ class ModelRunner:
         check_weights_loaded(model, role)
         self.mask_format = check_attn_implementation(model)
         config = model.config.get_text_config()
-        self.mask_plan = mask_plan(config, type(model).__name__)
+        self.mask_plan = mask_plan(config, type(model).__name__, stateful=bool(getattr(model, "_is_stateful", False)))
         self.model = model
         self.role = role
         self.num_layers = config.num_hidden_layers
@@ -79,13 +82,19 @@ class ModelRunner:
         # chosen by admission when the 4-D protocol fails (see _forward_rowwise).
         self.protocol = "mask_4d"
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self._cache_kwarg = cache_kwarg(model.forward)  # "cache" (transformers >= 5.24) or "past_key_values"
+        # "cache" (transformers >= 5.24) or "past_key_values"; "cache_params" for Mamba2 before 5.24
+        self._cache_kwarg = cache_kwarg(model.forward) or state_cache_kwarg(model)
         # admission's state: the probe's sequence length, the largest buffer capacity the probe
         # vouched for (0: none yet), the tree probe's finding ("" = passed; None = not run)
         self.probe_length = probe_length(config, self.mask_plan, self.max_positions)
         self.probed_capacity = 0
         self.tree_failure: str | None = None
         self.taps = TapCaptures(self)  # the captured tapped forwards (forward(..., taps=...))
+        # recurrent / linear-attention state (decision 76): static per-row buffers, a snapshot
+        # taken before each verify forward and the mixers' single steps that roll it back
+        self.stateful = bool(getattr(model, "_is_stateful", False))
+        self.state_snapshot: StateSnapshot | None = None
+        self.mixer_taps: MixerTaps | None = None
         check_incremental(self, probe_capacity(self.probe_length))
 
     @property
@@ -112,18 +121,67 @@ class ModelRunner:
     def scratch_cache(self, batch_size: int, capacity: int):
         """Buffers of this shape for the ``with`` block only (a check at ``speculate()`` time,
         before the generator allocates); the runner's own cache is back afterwards."""
-        saved = self.cache
+        saved = self.cache, self.state_snapshot, self.mixer_taps
         try:
             self._allocate_buffers(batch_size, capacity)
             yield self.cache
         finally:
-            self.cache = saved
+            self.cache, self.state_snapshot, self.mixer_taps = saved
 
     def _allocate_buffers(self, batch_size: int, capacity: int) -> None:
-        self.cache = SlotCache(self.cache_layers, batch_size, capacity, self.device)
+        if self.stateful:
+            self.cache = slot_cache_with_state(self.model.config, batch_size, capacity, self.device)
+        else:
+            self.cache = SlotCache(self.cache_layers, batch_size, capacity, self.device)
         zeros = torch.zeros((batch_size, 1), dtype=torch.long, device=self.device)
         with torch.no_grad():
             self.forward(zeros, zeros, torch.full_like(zeros, self.cache.trash_slot))
+        if self.stateful:
+            self.reset_state()
+            self.state_snapshot = StateSnapshot(self.cache)
+            self.mixer_taps = MixerTaps(self.model, self.cache)
+
+    # ------------------------------------------- recurrent state (decision 76; stateful models only)
+    def reset_state(self) -> None:
+        """Zero every row's recurrent and conv state (before a prefill: every row restarts; a zero
+        state is no state for every kernel admitted)."""
+        for _, layer in stateful_layers(self.cache):
+            layer.start()
+
+    def verify_recording(self, ids, positions, slots):
+        """A verify forward of a stateful model: the state snapshot taken first, the stateful
+        mixers' inputs recorded during it (forward pre-hooks on the model's mixer modules,
+        removed before this returns), for :meth:`roll_back_state`."""
+        self.state_snapshot.take()
+        taps = self.mixer_taps
+        if taps.attached:  # compiled rounds: attached around the call (attach_state_hooks), not traced
+            taps.on = True
+            out = self.forward(ids, positions, slots)
+            taps.on = False
+            return out
+        with taps.recording():
+            return self.forward(ids, positions, slots)
+
+    def roll_back_state(self, n: torch.Tensor, tokens: int) -> None:
+        """After a verify forward of ``tokens`` inputs (:meth:`verify_recording`) of which row b
+        keeps the first ``n[b]`` (0..tokens): every stateful layer's state becomes the state
+        after exactly those inputs: the snapshot written back, then the mixers' own single-token
+        steps on the recorded inputs, each kept only by the rows still within their n (fixed
+        shapes, per-row n, no host sync)."""
+        self.state_snapshot.restore()
+        self.mixer_taps.replay_steps(self.cache, n - 1, tokens)
+        self.mixer_taps.inputs.clear()  # never replayed again (a graph traced without hooks fails, not reuses)
+
+    def attach_state_hooks(self) -> None:
+        """Register the mixers' recording hooks for a stretch of compiled rounds (a graph records
+        through them only if they are there when it is traced and run); :meth:`detach_state_hooks`
+        removes them. Eager rounds register them around each verify forward themselves."""
+        if self.mixer_taps is not None:
+            self.mixer_taps.attach()
+
+    def detach_state_hooks(self) -> None:
+        if self.mixer_taps is not None:
+            self.mixer_taps.detach()
 
     def forward(
         self,
@@ -169,6 +227,8 @@ class ModelRunner:
             return self.taps.forward(ids, positions, slots, tree, taps)
         cache.slots = slots
         mask = self.mask_plan.build(positions, cache.capacity, self.mask_format, self.dtype, tree)
+        if self.stateful:  # the stateful layers' 2-D mask: 0 on padding (the trash slot)
+            mask = masks_with_state(self.model.config, mask, (slots != cache.trash_slot).long())
         return self._call(ids, mask, positions, **self._keep_last(last_only))
 
     def _keep_last(self, last_only: bool) -> dict:

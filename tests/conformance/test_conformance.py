@@ -229,14 +229,7 @@ REFUSED = {
         mamba_d_head=16,
         mamba_d_state=4,
     ),
-    "qwen3_next": dict(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=32,
-        vocab_size=64,
-    ),
+    # qwen3_next is admitted as a target since decision 76 (tests/unit/model/test_hybrid_speculate.py)
     "xlnet": dict(d_model=32, n_layer=2, n_head=2, d_inner=32, vocab_size=64),
     "openai-gpt": dict(n_embd=32, n_layer=2, n_head=2, vocab_size=64),
 }

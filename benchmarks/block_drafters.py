@@ -39,12 +39,11 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from specfx.bench.harness import torch_threads
+from specfx.bench.harness import median_seconds, torch_threads
 from specfx.bench.tasks import suite
 from specfx.bench.tasks.suite_prompts import load_suite
 
@@ -78,13 +77,7 @@ def suite_argv(args) -> list[str]:
 
 
 def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    return median_seconds(fn, repeats) * 1e3
 
 
 def forward_ms(model, context: torch.Tensor, tokens: torch.Tensor, keep: int, repeats: int) -> float:

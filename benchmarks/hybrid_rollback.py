@@ -35,6 +35,7 @@ import warnings
 
 import torch
 
+from specfx.bench.harness import median_seconds
 from specfx.model.recurrent import (
     MixerTaps,
     StateSnapshot,
@@ -202,14 +203,6 @@ def check_conv(model, k: int, seed: int = 0) -> float:
     return worst
 
 
-def median_time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def timings(model, k: int, repeats: int) -> dict:
@@ -229,13 +222,13 @@ def timings(model, k: int, repeats: int) -> dict:
             snap.restore()
             crop_kv(cache, prompt.shape[1])
 
-        restore_t = median_time(snap.restore, repeats)
-        ms["decode"] = median_time(lambda: run(verify[:, :1]), repeats) - restore_t
-        ms["verify"] = median_time(lambda: run(verify), repeats) - restore_t
-        ms["snapshot"] = median_time(lambda: StateSnapshot(cache), repeats)
+        restore_t = median_seconds(snap.restore, repeats)
+        ms["decode"] = median_seconds(lambda: run(verify[:, :1]), repeats) - restore_t
+        ms["verify"] = median_seconds(lambda: run(verify), repeats) - restore_t
+        ms["snapshot"] = median_seconds(lambda: StateSnapshot(cache), repeats)
         ms["restore"] = restore_t
         ms["replay_model"] = statistics.mean(
-            median_time(lambda n=n: run(verify[:, : n + 1]), repeats) - restore_t for n in range(k + 1)
+            median_seconds(lambda n=n: run(verify[:, : n + 1]), repeats) - restore_t for n in range(k + 1)
         )
         taps = MixerTaps(model, cache)
         with taps.recording():
@@ -248,14 +241,14 @@ def timings(model, k: int, repeats: int) -> dict:
             snap.restore()
 
         ms["replay_mixers"] = (
-            statistics.mean(median_time(lambda n=n: mixers(n), repeats) for n in range(k + 1)) - restore_t
+            statistics.mean(median_seconds(lambda n=n: mixers(n), repeats) for n in range(k + 1)) - restore_t
         )
 
         def mixer_steps():
             taps.replay_steps(cache, torch.tensor([k // 2]), k + 1)
             snap.restore()
 
-        ms["mixer_steps"] = median_time(mixer_steps, repeats) - restore_t
+        ms["mixer_steps"] = median_seconds(mixer_steps, repeats) - restore_t
 
         def steps():
             for t in range(k + 1):
@@ -264,7 +257,7 @@ def timings(model, k: int, repeats: int) -> dict:
             snap.restore()
             crop_kv(cache, prompt.shape[1])
 
-        ms["steps"] = median_time(steps, repeats) - restore_t
+        ms["steps"] = median_seconds(steps, repeats) - restore_t
         ms["state_bytes"] = snap.nbytes
     return {key: (v * 1e3 if key != "state_bytes" else v) for key, v in ms.items()}
 
@@ -303,8 +296,8 @@ def gdn_kernels(k: int, repeats: int) -> dict:
     with torch.no_grad():
         diff = float((per_position()[-1] - chunk()).abs().max() / chunk().abs().max())
         return {
-            "chunk_ms": median_time(chunk, repeats) * 1e3,
-            "per_position_ms": median_time(per_position, repeats) * 1e3,
+            "chunk_ms": median_seconds(chunk, repeats) * 1e3,
+            "per_position_ms": median_seconds(per_position, repeats) * 1e3,
             "final_state_rel_diff": diff,
         }
 
@@ -389,7 +382,7 @@ def compiled_round(arch: str, size: str, k: int, repeats: int) -> dict:
         decode = torch.compile(decode_fn, fullgraph=True)
         timed = (("eager_round_ms", round_fn), ("round_ms", compiled), ("verify_ms", verify), ("decode_ms", decode))
         for name, fn in timed:
-            out[name] = median_time(lambda fn=fn: (reset(), fn(ids, positions, n)), repeats) * 1e3
+            out[name] = median_seconds(lambda fn=fn: (reset(), fn(ids, positions, n)), repeats) * 1e3
     taps.detach()
     return out
 

@@ -41,6 +41,7 @@ __all__ = [
     "hf_assisted_kwargs",
     "hf_compile_config",
     "log",
+    "median_seconds",
     "n_params",
     "run_all",
     "run_batches",
@@ -123,6 +124,18 @@ def time_method(fn, batches, repeats: int, sync=lambda: None) -> tuple[float, li
         dt, outs = run_batches(fn, batches, sync)
         times.append(dt)
     return statistics.median(times), outs
+
+
+def median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """Median seconds of ``repeats`` calls of ``fn()`` after one untimed call (a micro-timing:
+    the caller synchronises inside ``fn`` where the device needs it)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def first_mismatch(a: torch.Tensor, b: torch.Tensor) -> int | None:

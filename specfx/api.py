@@ -22,7 +22,7 @@ from specfx.engine.background import register_background, wait_for_graphs
 from specfx.engine.chain_round import RoundState, prefill_step, round_step
 from specfx.engine.graphs import CompileEvent, GraphCache, quarter_octave
 from specfx.engine.host import OverlappedReads, finish, make_replay, overlap_reads, read_stats, sync_finished
-from specfx.engine.plan import RoundShape, plan_rounds
+from specfx.engine.plan import RoundShape, check_stateful, plan_rounds
 from specfx.engine.state import StateSlots, load_request, model_signature
 from specfx.engine.stats import SpecStats
 from specfx.engine.tree_round import tree_round_step
@@ -81,24 +81,6 @@ def speculate(
     return SpeculativeGenerator(model, draft, config)
 
 
-def _check_stateful(runner, drafter, config) -> None:
-    """ValueError for what a target with recurrent or linear-attention state cannot run yet
-    (decision 76: eager chain rounds, with a drafter that does not run the target's layers; trees
-    and hidden-state taps are refused by the runner's own tree and taps refusals)."""
-    who = f"{runner.role} ({type(runner.model).__name__}) keeps recurrent or linear-attention state"
-    if drafter.runs_target_layers:
-        raise ValueError(
-            f"{who}, which specfx rolls back only after its own verify forward: the {drafter.name!r} drafter "
-            f"runs the target's layers, which would advance that state. Use a draft model or "
-            f"draft='prompt_lookup'."
-        )
-    if config.compile and config.backend != "specfx_eager":
-        raise ValueError(
-            f"{who}; its compiled round is verified with backend='specfx_eager' only for now (Inductor "
-            f"not yet). Pass compile=False or backend='specfx_eager' to speculate()."
-        )
-
-
 class SpeculativeGenerator:
     """A target model plus a drafter, generating speculatively.
 
@@ -117,7 +99,7 @@ class SpeculativeGenerator:
         self.target_runner = ModelRunner(model, role="target")
         self.drafter = resolve_drafter(draft, model)
         if self.target_runner.stateful:
-            _check_stateful(self.target_runner, self.drafter, config)
+            check_stateful(self.target_runner, self.drafter, config)
         self.drafter.bind(self.target_runner)
         self.target_runner.check_taps(self.drafter.taps)  # the hidden states it reads exist
         self.plan = plan_rounds(config, self.drafter, self.target_runner)

@@ -19,7 +19,7 @@ from specfx.drafters.base import branch_slots, shape_refusal
 from specfx.sampling.processors import GREEDY, Mode
 from specfx.trees.types import DynamicTree, TokenTree
 
-__all__ = ["TREE", "Plan", "RoundShape", "plan_rounds"]
+__all__ = ["TREE", "Plan", "RoundShape", "check_stateful", "plan_rounds"]
 
 TREE = None  # the key of a tree round in Plan.shapes (and of its time and windows in "auto")
 
@@ -203,4 +203,22 @@ def check_depth(config: SpecConfig, tree, drafter) -> None:
             f"speculate(): {asked} asks for up to {max(config.k_values)} proposals per round, but the "
             f"{drafter.name} drafter proposes at most {limit}; pass "
             f"{'auto_k_values= with values' if auto else 'num_speculative_tokens='} <= {limit}."
+        )
+
+
+def check_stateful(runner, drafter, config) -> None:
+    """ValueError for what a target with recurrent or linear-attention state cannot run yet
+    (decision 76: eager chain rounds, with a drafter that does not run the target's layers; trees
+    and hidden-state taps are refused by the runner's own tree and taps refusals)."""
+    who = f"{runner.role} ({type(runner.model).__name__}) keeps recurrent or linear-attention state"
+    if drafter.runs_target_layers:
+        raise ValueError(
+            f"{who}, which specfx rolls back only after its own verify forward: the {drafter.name!r} drafter "
+            f"runs the target's layers, which would advance that state. Use a draft model or "
+            f"draft='prompt_lookup'."
+        )
+    if config.compile and config.backend != "specfx_eager":
+        raise ValueError(
+            f"{who}; its compiled round is verified with backend='specfx_eager' only for now (Inductor "
+            f"not yet). Pass compile=False or backend='specfx_eager' to speculate()."
         )

@@ -181,6 +181,7 @@ class MixerTaps:
         self.inputs: dict[int, tuple[tuple, dict]] = {}
         self.on = False  # record only while True (the replays call the same modules)
         self._handles: list = []
+        self._step = StateSnapshot(cache)  # the state before a replay step (replay_steps), taken in place
 
         def hook(mod, args, kwargs):  # one function for every attach: a compiled graph guards on it
             if self.on:
@@ -229,8 +230,9 @@ class MixerTaps:
         restored snapshot, each row's state frozen once its ``n[b] + 1`` inputs are in (a
         predicated write per step; no host sync). The caller has restored the pre-verify
         snapshot."""
+        before = self._step  # static buffers allocated with the taps, reused by every step and round
         for t in range(tokens):
-            before = StateSnapshot(cache)
+            before.take()
             for mod in self.mixers:
                 args, kwargs = self.inputs[id(mod)]
                 mod(*_column(args, t), **_column_kw(kwargs, t, cache))

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 30, the next GPU run (prepared, not yet run): one `run` call of ~9.5 minutes, items 3 and 4.
+# Issue 30, GPU run 5 (ran 2026-11-26 on an H200: docs/BENCHMARKS.md "GPU run 5"): one `run` call of ~9.5 minutes, items 3 and 4.
 # Each step a separate `specfx bench gpu` process given what is left of the deadline (the JSON is
 # written after each combination, so a step cut short keeps what it finished):
 #   b4-16     8B/1B oracle α = 1 / 0.6 at batch 4 and 16, context 512, live-KV on (default) + profile

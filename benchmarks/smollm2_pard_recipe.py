@@ -12,6 +12,12 @@ in docs/BENCHMARKS.md did 45 steps (what fit a session), 1/18 of the head's wind
     python benchmarks/smollm2_pard_recipe.py pick  WORK     # initial held-out loss of a few layer choices
     python benchmarks/smollm2_pard_recipe.py init  WORK     # WORK/init: the layer-pruned draft (safetensors)
     python benchmarks/smollm2_pard_recipe.py train WORK     # specfx train --head pard (resumes from WORK/pard/ckpt)
+    python benchmarks/smollm2_pard_recipe.py dflash WORK    # specfx train --head dflash (resumes from WORK/dflash/ckpt)
+
+``dflash`` trains the other block drafter on the same data, at the EAGLE-3 head's budget (800 steps of
+8 x 256 tokens, cached target features): two Qwen3-style layers over taps of target layers chosen
+by z-lab's rule for two draft layers, blocks of 9 (the pending token and 8 masks, so K <= 8),
+32 random anchors a window, the same mask id. Its draft is WORK/dflash/head (``draft="dflash:..."``).
 
 The trained draft is WORK/pard/head (``draft="pard:WORK/pard/head"``); benchmarks/block_drafters.py
 measures it against the other drafters. ``--stop-after N`` after ``train`` ends that run at step N
@@ -35,6 +41,11 @@ MASK_TOKEN = 16  # <empty_output>: a special id of SmolLM2's vocabulary that cha
 TRAIN = [
     "--head", "pard", "--pard-k", "8", "--pard-token", str(MASK_TOKEN), "--steps", "45", "--batch-size", "8",
     "--seq-len", "256", "--eval-prompts", "0", "--ckpt-every", "15", "--seed", "0",
+]  # fmt: skip
+TRAIN_DFLASH = [
+    "--head", "dflash", "--dflash-block", "9", "--dflash-token", str(MASK_TOKEN), "--dflash-anchors", "32",
+    "--draft-layers", "2", "--steps", "800", "--batch-size", "8", "--seq-len", "256", "--cache-features",
+    "--eval-prompts", "0", "--ckpt-every", "50", "--seed", "0",
 ]  # fmt: skip
 CHOICES = ((0, 1), (0, 1, 2, 3), (0, 1, 28, 29), (0, 1, 2, 29), (0, 10, 20, 29), (0, 15, 29))
 
@@ -109,20 +120,27 @@ def init(work: Path, layers=LAYERS) -> Path:
     return out
 
 
-def train(work: Path, extra=()) -> None:
-    out = work / "pard"
-    start = ["--resume"] if (out / "ckpt").exists() else ["--init", str(init(work))]
+def train(work: Path, extra=(), head="pard") -> None:
+    out = work / head
+    if (out / "ckpt").exists():
+        start = ["--resume"]
+    else:
+        start = ["--init", str(init(work))] if head == "pard" else []
+    flags = TRAIN if head == "pard" else TRAIN_DFLASH
     data = ["--data", str(DATA / "answers1.jsonl"), "--data", str(DATA / "answers2.jsonl")]
-    argv = ["-m", "specfx.train", "--target", str(smollm2_dir()), *data, "--out", str(out), *TRAIN, *start, *extra]
+    argv = ["-m", "specfx.train", "--target", str(smollm2_dir()), *data, "--out", str(out), *flags, *start, *extra]
     print("+", " ".join(argv), flush=True)
     subprocess.run([sys.executable, *argv], check=True)
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    steps = {"pick": pick, "init": init, "train": lambda w: train(w, argv[2:])}
+    steps = {
+        "pick": pick, "init": init, "train": lambda w: train(w, argv[2:]),
+        "dflash": lambda w: train(w, argv[2:], head="dflash"),
+    }  # fmt: skip
     if len(argv) < 2 or argv[0] not in steps:
-        print("usage: python benchmarks/smollm2_pard_recipe.py {pick,init,train} WORK [train flags]")
+        print("usage: python benchmarks/smollm2_pard_recipe.py {pick,init,train,dflash} WORK [train flags]")
         return 2
     steps[argv[0]](Path(argv[1]))
     return 0

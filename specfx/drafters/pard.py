@@ -22,9 +22,10 @@ import torch
 
 from specfx.drafters.base import Drafter
 from specfx.drafters.drafting import draft_token
+from specfx.drafters.heads.eagle_checkpoint import rope_keys
 from specfx.model.runner import ModelRunner
 
-__all__ = ["Pard", "from_name"]
+__all__ = ["Pard", "from_name", "serving_config"]
 
 # The config field naming the mask token, as PARD checkpoints (and the reference's training
 # script) write it.
@@ -40,6 +41,25 @@ def mask_token_of(model) -> int | None:
     if isinstance(value, (list, tuple)):  # a list of ids (the training config's form): the first
         value = value[0] if value else None
     return value
+
+
+def serving_config(config: dict, mask_token_id: int) -> dict:
+    """A PARD draft's config.json ``config`` (a dict, as ``save_pretrained`` writes it) made what
+    the serving engines read (decision 77 of docs/ARCHITECTURE.md): the mask id as an int
+    ``pard_token`` (vLLM's parallel drafting reads it for ``method="draft_model"`` with
+    ``parallel_drafting``), ``spd_type`` ``"pard"`` (the reference's), no top-level
+    ``mask_token_id`` naming another id (vLLM reads that one first), and the rotary base at the
+    top level as well as in ``rope_parameters`` (which readers on transformers 4 ignore)."""
+    out = dict(config, pard_token=int(mask_token_id), spd_type="pard")
+    if out.get("mask_token_id") is not None:
+        out["mask_token_id"] = int(mask_token_id)
+    text = out
+    if isinstance(out.get("text_config"), dict):  # a composite model: its language model's config
+        text = out["text_config"] = dict(out["text_config"])
+    if text.get("rope_parameters"):  # a rotary model saved by transformers 5
+        for key, value in rope_keys(text).items():
+            text.setdefault(key, value)
+    return out
 
 
 class Pard(Drafter):

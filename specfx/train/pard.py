@@ -32,11 +32,13 @@ stream here have none to drop.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specfx.drafters.pard import mask_token_of
+from specfx.drafters.pard import mask_token_of, serving_config
 from specfx.train.heads import DraftTrain
 
 __all__ = ["PardTrain", "cod_keep", "default_mask_token", "pard_layout"]
@@ -130,6 +132,15 @@ class PardTrain(DraftTrain):
         self.k, self.mask_token, self.seed = k, int(mask_token), seed
         self.cod_ratio, self.cod_min = cod_ratio, cod_min
         self.depth_acc: list[float] = []
+
+    def save(self, path):
+        """``save_pretrained`` (the tokenizer too), its config.json made what vLLM reads
+        (:func:`~specfx.drafters.pard.serving_config`)."""
+        path = super().save(path)
+        file = path / "config.json"
+        config = serving_config(json.loads(file.read_text()), self.mask_token)
+        file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        return path
 
     def loss(self, ids, features, logits, step=None):
         rng = None if step is None else np.random.default_rng([self.seed, step, 7])

@@ -49,8 +49,15 @@ from pathlib import Path
 import torch
 
 from specfx.drafters.base import Drafter
-from specfx.drafters.heads.checkpoint import read_head, write_head
-from specfx.drafters.heads.dflash_head import KIND, DFlashHead, default_layer_ids, load_head, read_fields
+from specfx.drafters.heads.checkpoint import read_head, warn_engine_gaps, write_head
+from specfx.drafters.heads.dflash_head import (
+    KIND,
+    DFlashHead,
+    default_layer_ids,
+    load_head,
+    read_fields,
+    serving_gaps,
+)
 from specfx.drafters.heads.eagle_checkpoint import rope_keys
 from specfx.model.cache import SlotCache
 from specfx.model.runner import ModelRunner
@@ -140,21 +147,40 @@ class DFlash(Drafter):
 
     def save(self, path: str | Path) -> Path:
         """Write the draft to directory ``path`` (config.json and model.safetensors) in z-lab's
-        layout, which :class:`DFlash` and the reference's ``DFlashDraftModel.from_pretrained``
-        read (the taps written explicitly once known). vLLM's and SGLang's DFlash loaders serve
-        z-lab's checkpoints; what they read was not checked here at a named commit."""
+        layout, which :class:`DFlash`, the reference's ``DFlashDraftModel.from_pretrained`` and the
+        DFlash loaders of vLLM and SGLang read (docs/ARCHITECTURE.md, decision 77, names their
+        files and commits): ``architectures`` ``["DFlashDraftModel"]``, the taps written explicitly
+        whenever they are known (the engines size ``fc`` from them), the base rotary frequency at
+        the top level. A :class:`~specfx.drafters.heads.checkpoint.HeadLayoutWarning` names the
+        engines that could not serve it as saved (see :func:`serving_gaps`)."""
         head = self.head
         config = dict(head.config)
+        layers = self.target.num_layers if self.target is not None else head.fields["num_target_layers"]
+        ids = self.layer_ids
+        if ids is None and isinstance(layers, int):  # what bind resolves; the engines resolve no default alike
+            ids = default_layer_ids(layers, len(head.layers))
+            ids = ids if len(ids) == head.num_taps and all(0 <= i < layers for i in ids) else None
         nested = dict(config.get("dflash_config") or {})
         nested["mask_token_id"] = head.mask_token_id
-        if self.layer_ids is not None:
-            nested["target_layer_ids"] = list(self.layer_ids)
+        if ids is not None:
+            nested["target_layer_ids"] = list(ids)
         config["dflash_config"] = nested
         config["block_size"] = head.block_size
-        for key in ("mask_token_id", "target_layer_ids"):  # transformers' top-level copies: one source only
+        if isinstance(layers, int):
+            config["num_target_layers"] = layers
+        # one source per field: transformers' top-level copies, and vLLM's EAGLE-3 tap list, which it
+        # would read before dflash_config.target_layer_ids
+        for key in ("mask_token_id", "target_layer_ids", "eagle_aux_hidden_state_layer_ids"):
             config.pop(key, None)
+        # the tensors are z-lab's Qwen3 draft whatever the source named it (transformers' assistant):
+        # the class vLLM keeps (a name starting with DFlash) and SGLang's entry class
+        config["architectures"], config["model_type"] = ["DFlashDraftModel"], "qwen3"
+        for key, value in rope_keys(config).items():  # readers with transformers 4 ignore rope_parameters
+            config.setdefault(key, value)
         config["torch_dtype"] = str(head.fc.weight.dtype).removeprefix("torch.")
-        return write_head(path, config, head.tensors())
+        out = write_head(path, config, head.tensors())
+        warn_engine_gaps(KIND, out, serving_gaps(ids, layers))
+        return out
 
     # ----------------------------------------------------------------- binding
     def bind(self, target: ModelRunner) -> None:

@@ -48,7 +48,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 from specfx.drafters.heads.checkpoint import LAYER_KEYS, HeadCheckpoint, check_tensors, layer_config
 from specfx.model.cache import SlotCache
 
-__all__ = ["KIND", "DFlashHead", "checkpoint_error", "default_layer_ids", "load_head", "read_fields"]
+__all__ = ["KIND", "DFlashHead", "checkpoint_error", "default_layer_ids", "load_head", "read_fields", "serving_gaps"]
 
 KIND = "DFlash"
 
@@ -71,6 +71,27 @@ def default_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int
         return [num_target_layers // 2]
     start, end = 1, num_target_layers - 3
     return [int(round(start + i * (end - start) / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+def serving_gaps(layer_ids: list[int] | None, num_target_layers: int | None) -> dict[str, list[str]]:
+    """Why vLLM and SGLang could not serve a draft saved with these taps (engine -> reasons;
+    decision 77 of docs/ARCHITECTURE.md). Both capture the residual stream at a target layer's
+    *input* (tap i: the input of layer i + 1), not the reference's state for the last layer (its
+    output after the final norm); without ``target_layer_ids`` vLLM sizes ``fc`` by the draft's
+    own depth and SGLang takes the reference's default over ``num_target_layers``."""
+    reasons: list[str] = []
+    if layer_ids is None:
+        reasons.append(
+            "the draft's config names no target_layer_ids and they are unknown until it is bound to its target "
+            "(bind it, or load a draft whose config names them, before saving)."
+        )
+    elif isinstance(num_target_layers, int) and num_target_layers - 1 in layer_ids:
+        reasons.append(
+            f"target_layer_ids {layer_ids} taps the last target layer ({num_target_layers - 1}): the reference reads "
+            f"its output after the target's final norm, these engines the residual stream at a layer's input (tap i: "
+            f"the input of layer i + 1), which has no final norm and no layer after the last; train on taps below it."
+        )
+    return {"vLLM": reasons, "SGLang": list(reasons)}
 
 
 def read_fields(config: dict, where) -> dict:

@@ -168,3 +168,48 @@ def test_pard_from_init_keeps_the_family_and_the_mask_token(one_thread, tiny_dir
     capsys.readouterr()
     assert main(args(tiny_dir, toy, tmp_path / "used", "--pard-token", str(used), *common)) == 0
     assert "occurs" in capsys.readouterr().out
+
+
+def _vllm_parallel_drafting_token(config: dict) -> int:
+    """vLLM's mask id for parallel drafting (vllm/v1/spec_decode/llm_base_proposer.py @
+    00c4f22dae4795e34658bead82fa071e6bb7ae39, ``_init_parallel_drafting_params``): the first of
+    ``dflash_config["mask_token_id"]``, a top-level ``mask_token_id`` (not None),
+    ``dspark_noise_token_id``, ``pard_token``, ``ptd_token_id`` present in the draft's config."""
+    if "mask_token_id" in (config.get("dflash_config") or {}):
+        return config["dflash_config"]["mask_token_id"]
+    if config.get("mask_token_id") is not None:
+        return config["mask_token_id"]
+    for key in ("dspark_noise_token_id", "pard_token", "ptd_token_id"):
+        if key in config:
+            return config[key]
+    raise AssertionError("vLLM: no token id for parallel drafting")
+
+
+@pytest.mark.parametrize("conflicting", [False, True])
+def test_a_saved_pard_draft_is_what_vllm_serves(one_thread, tmp_path, conflicting):
+    """vLLM runs PARD as ``method="draft_model"`` with ``parallel_drafting`` (vllm/config/
+    speculative.py @ 002e77c1f0ef9b19cff8b9e21cfbd6feb3d6b443): the draft is an ordinary causal LM
+    in transformers' layout, of the target's vocabulary size (``verify_equal_vocab_size_if_draft_model``),
+    whose config names the mask id it reads (above)."""
+    from transformers import AutoModelForCausalLM
+
+    from specfx.model.runner import ModelRunner
+    from specfx.train.pard import PardTrain
+
+    target = tiny_causal_lm("llama", vocab_size=256, num_layers=2)
+    runner = ModelRunner(target, "target")
+    head = PardTrain(runner, None, 0, 1, 64, None, 4, 200, 0.7, 0.2)
+    if conflicting:  # a config that names a mask id of its own (vLLM reads it before pard_token)
+        head.module.config.mask_token_id = 5
+    path = head.save(tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    assert _vllm_parallel_drafting_token(cfg) == 200 and cfg["pard_token"] == 200 and cfg["spd_type"] == "pard"
+    assert cfg["vocab_size"] == target.config.vocab_size and cfg["architectures"] == ["LlamaForCausalLM"]
+    # the rotary base where readers on transformers 4 look, equal to transformers 5's
+    assert cfg["rope_theta"] == cfg["rope_parameters"]["rope_theta"] == target.config.rope_parameters["rope_theta"]
+    # transformers' names, nothing else: the architecture's own loader takes every tensor
+    saved = load_file(str(path / "model.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(path)
+    expected = {n for n, _ in model.named_parameters()}  # a tied LM head is listed (and saved) once
+    assert set(saved) == expected and all(saved[n].shape == p.shape for n, p in model.named_parameters())
+    assert specfx.Pard(model).mask_token_id == 200

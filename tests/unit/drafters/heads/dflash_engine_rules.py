@@ -1,0 +1,204 @@
+"""How vLLM and SGLang load a DFlash draft, restated from their source so the tests can check
+that what :meth:`specfx.DFlash.save` writes is what they read. Neither engine is installed here
+(nor runs on a CPU): each function below re-states, in plain Python, only the loading *rules*
+(which config.json keys it reads and their defaults, how it sizes its parameters, which tensor
+names it maps where, which it refuses and which it silently drops), and returns what it would
+hold. Facts, not code, from (decision 77 of docs/ARCHITECTURE.md has the same list):
+
+* vllm-project/vllm
+  - vllm/model_executor/models/qwen3_dflash.py @ 036a00d1f5d00d449d02dce9babdd15a5b4d06c9:
+    ``DFlashQwen3ForCausalLM.load_weights`` (``t2d`` skipped, ``d2t`` renamed, every other name
+    but ``lm_head`` prefixed ``model.``; ``embed_tokens`` dropped unless shipped), then
+    ``DFlashQwen3Model``'s mapper (``midlayer.`` -> ``layers.0.``, ``encoder.fc.`` -> ``fc.``,
+    ``encoder.output_norm_enc.`` -> ``hidden_norm.``; ``.q_proj``/``.k_proj``/``.v_proj`` stacked
+    into ``.qkv_proj``, ``.gate_proj``/``.up_proj`` into ``.gate_up_proj``) and
+    ``AutoWeightsLoader`` (a name with no parameter is an error); ``o_proj`` has a bias iff
+    ``attention_bias``; layer causality from ``is_causal``, else ``dflash_config.causal``, else
+    ``layer_types[i] == "sliding_attention"``; ``fc`` takes ``(target_hidden_size or
+    hidden_size) * len(aux layers)``, or ``* num_hidden_layers`` without them;
+  - vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py @ 0cfdd2e15d6991f354c6e22fd7f7e7577afe0424:
+    ``get_eagle3_aux_layers_from_config`` (top-level ``eagle_aux_hidden_state_layer_ids`` first,
+    else ``dflash_config.target_layer_ids`` plus 1, ...); the target appends the input of layer
+    ``idx`` (the residual stream) for each ``idx`` among them, in layer order;
+  - vllm/v1/spec_decode/llm_base_proposer.py @ 00c4f22dae4795e34658bead82fa071e6bb7ae39:
+    ``_init_parallel_drafting_params`` (mask id: ``dflash_config["mask_token_id"]``, else a
+    top-level ``mask_token_id``, else ``dspark_noise_token_id``, ``pard_token``, ``ptd_token_id``);
+  - vllm/config/speculative.py @ 002e77c1f0ef9b19cff8b9e21cfbd6feb3d6b443: ``method="dflash"``
+    (detected only from a path containing "dflash" or the MuseGlimmerAssistantModel class) wraps
+    the draft config in ``EAGLEConfig(method="dflash")``, whose stored version that handles it
+    (vllm/transformers_utils/configs/eagle.py; the index holds it without naming its commit)
+    keeps an architecture starting or ending with "DFlash" and prefixes any other with it.
+* sgl-project/sglang
+  - python/sglang/srt/models/dflash.py @ 003b23d7388eabdfbfecd2610c7e228f9f6a2734:
+    ``DFlashDraftModel`` (the entry class) and its ``load_weights`` (``.q_proj.`` etc. stacked,
+    names resolved as they are or with/without ``model.``, unknown names silently ignored,
+    ``fc.weight`` shape checked); ``fc`` takes ``hidden_size * len(target_layer_ids)``;
+    ``hidden_act`` must be silu; ``full_attention`` layers are non-causal (ENCODER_ONLY);
+  - python/sglang/srt/speculative/dflash_utils.py @ 00731f0bc9fa81c39802754fb4b62e9cce967582:
+    ``parse_dflash_draft_config`` (``block_size``, ``num_target_layers``, ``target_layer_ids``,
+    ``mask_token_id`` from ``dflash_config`` else the top level; ids resolved by the
+    reference's ``build_target_layer_ids`` over ``num_target_layers``, else over the draft's own
+    depth, and checked to lie in ``0 .. num_target_layers - 1``);
+  - python/sglang/srt/speculative/dflash_worker.py @ 0468412fb7dc9909923ee6b6c95cfcfca24cfe34
+    (the block size: ``speculative_num_draft_tokens``, else the config's ``block_size``; the
+    mask id: the config's, else the tokenizer's id of ``mask_token``); the targets' hook
+    ``set_dflash_layers_to_capture`` captures before layer ``i + 1`` for each id ``i``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from tests.unit.drafters.heads.engine_rules import EngineRefuses
+
+
+@dataclass
+class Held:
+    """What an engine holds after loading: each parameter's shards filled (name -> {shard: shape}),
+    the parameters it expected (name -> {shard: shape}), the file tensors it dropped, and what
+    it read from the config (``taps``: the target layers whose *outputs* it feeds ``fc``, in
+    order; ``mask_token_id``, ``block_size``, ``causal`` per draft layer)."""
+
+    filled: dict[str, dict] = field(default_factory=dict)
+    expected: dict[str, dict] = field(default_factory=dict)
+    dropped: list[str] = field(default_factory=list)
+    read: dict = field(default_factory=dict)
+
+    @property
+    def unfilled(self) -> list[str]:
+        return sorted(n for n, shards in self.expected.items() if self.filled.get(n, {}).keys() != shards.keys())
+
+
+_STACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}  # fmt: skip
+
+
+def _params(c: dict, fc_in: int) -> dict[str, dict]:
+    """The draft's parameters (both engines build the same ones): name -> {shard: shape}."""
+    h, heads, inter = c["hidden_size"], c["num_attention_heads"], c["intermediate_size"]
+    kv = c.get("num_key_value_heads") or heads
+    d = c.get("head_dim") or h // heads
+    out = {"fc.weight": {None: (h, fc_in)}, "hidden_norm.weight": {None: (h,)}, "norm.weight": {None: (h,)}}
+    for i in range(c["num_hidden_layers"]):
+        p = f"layers.{i}."
+        out[p + "self_attn.qkv_proj.weight"] = {"q": (heads * d, h), "k": (kv * d, h), "v": (kv * d, h)}
+        out[p + "self_attn.o_proj.weight"] = {None: (h, heads * d)}
+        if c.get("attention_bias"):
+            out[p + "self_attn.qkv_proj.bias"] = {"q": (heads * d,), "k": (kv * d,), "v": (kv * d,)}
+            out[p + "self_attn.o_proj.bias"] = {None: (h,)}
+        out[p + "self_attn.q_norm.weight"] = out[p + "self_attn.k_norm.weight"] = {None: (d,)}
+        out[p + "input_layernorm.weight"] = out[p + "post_attention_layernorm.weight"] = {None: (h,)}
+        out[p + "mlp.gate_up_proj.weight"] = {0: (inter, h), 1: (inter, h)}
+        out[p + "mlp.down_proj.weight"] = {None: (h, inter)}
+    return out
+
+
+def _fill(held: Held, name: str, shard, tensor, engine: str) -> None:
+    want = held.expected[name][shard]
+    if tuple(tensor.shape) != want:
+        raise EngineRefuses(f"{engine}: {name} ({shard}) is {list(tensor.shape)}, its parameter {list(want)}")
+    held.filled.setdefault(name, {})[shard] = want
+
+
+def _captured(ids_plus_one: list[int], num_target_layers: int) -> list[int]:
+    """The target layers whose output the engine captures (the input of layer ``idx`` for each
+    ``idx`` it was given, in layer order), as output-of-layer ids."""
+    return [idx - 1 for idx in range(num_target_layers) if idx in ids_plus_one]
+
+
+def _read(directory: Path) -> tuple[dict, dict]:
+    return json.loads((directory / "config.json").read_text()), load_file(str(directory / "model.safetensors"))
+
+
+def vllm_dflash(directory: Path, num_target_layers: int, target_hidden: int) -> Held:
+    c, tensors = _read(directory)
+    nested = c.get("dflash_config") or {}
+    archs = [a if a.startswith("DFlash") or a.endswith("DFlash") else f"DFlash{a}" for a in c["architectures"]]
+    aux = c.get("eagle_aux_hidden_state_layer_ids") or [i + 1 for i in (nested.get("target_layer_ids") or [])]
+    n = len(aux) if aux else c["num_hidden_layers"]
+    held = Held(expected=_params(c, (c.get("target_hidden_size") or c["hidden_size"]) * n))
+    taps = _captured(aux, num_target_layers)
+    if len(taps) * target_hidden != held.expected["fc.weight"][None][1]:  # combine_hidden_states' check
+        raise EngineRefuses(f"vLLM: the target captures {len(taps)} states for aux layers {aux}, fc takes {n}")
+    if "mask_token_id" in nested:
+        mask = nested["mask_token_id"]
+    elif c.get("mask_token_id") is not None:
+        mask = c["mask_token_id"]
+    else:
+        raise EngineRefuses("vLLM: no mask token id for parallel drafting")
+    types = c.get("layer_types")
+    causal = [
+        bool(c["is_causal"]) if c.get("is_causal") is not None
+        else bool(nested["causal"]) if nested.get("causal") is not None
+        else bool(types) and types[i] == "sliding_attention"
+        for i in range(c["num_hidden_layers"])
+    ]  # fmt: skip
+    held.read = dict(architectures=archs, taps=taps, mask_token_id=mask, causal=causal, rope_theta=c.get("rope_theta"))
+    for name, tensor in tensors.items():
+        if "t2d" in name or "d2t" in name or "lm_head" in name or "embed_tokens" in name:
+            held.dropped.append(name)  # not the draft model's (d2t: a parameter of its own)
+            continue
+        for old, new in {
+            "midlayer.": "layers.0.",
+            "encoder.output_norm_enc.": "hidden_norm.",
+            "encoder.fc.": "fc.",
+        }.items():
+            name = name.replace(old, new)
+        shard = None
+        for weight, (param, sid) in _STACKED.items():
+            if f".{weight}" in name:
+                name, shard = name.replace(f".{weight}", f".{param}"), sid
+                break
+        if name not in held.expected:  # AutoWeightsLoader: no module or parameter of that name
+            raise EngineRefuses(f"vLLM: no parameter for {name}")
+        _fill(held, name, shard, tensor, "vLLM")
+    return held
+
+
+def sglang_dflash(directory: Path, num_target_layers: int) -> Held:
+    c, tensors = _read(directory)
+    nested = c.get("dflash_config") or {}
+
+    def get(key, default=None):
+        return nested.get(key, c.get(key, default))
+
+    if "DFlashDraftModel" not in c.get("architectures", []):
+        raise EngineRefuses(f"SGLang: no entry class for {c.get('architectures')}")
+    if c.get("hidden_act", "silu") != "silu":
+        raise EngineRefuses("SGLang: DFlash MLP supports silu only")
+    mask = get("mask_token_id")
+    if mask is not None and (isinstance(mask, bool) or not isinstance(mask, int) or mask < 0):
+        raise EngineRefuses(f"SGLang: mask_token_id {mask!r}")
+    depth = get("num_target_layers") or c["num_hidden_layers"]
+    ids = get("target_layer_ids")
+    if ids is None:  # build_target_layer_ids over the resolved depth
+        k = c["num_hidden_layers"]
+        ids = [depth // 2] if k == 1 else [int(round(1 + i * (depth - 4) / (k - 1))) for i in range(k)]
+    if any(not 0 <= i < depth for i in ids):
+        raise EngineRefuses(f"SGLang: target_layer_ids {ids} out of 0..{depth - 1}")
+    taps = _captured([i + 1 for i in ids], num_target_layers)
+    if len(taps) != len(ids):
+        raise EngineRefuses(f"SGLang: the target captures {len(taps)} states for target_layer_ids {ids}")
+    held = Held(expected=_params(c, c["hidden_size"] * len(ids)))
+    types = c.get("layer_types")
+    if types is not None and any(t not in ("full_attention", "sliding_attention") for t in types):
+        raise EngineRefuses(f"SGLang: layer types {types}")
+    causal = [types is not None and types[i] == "sliding_attention" for i in range(c["num_hidden_layers"])]
+    held.read = dict(taps=taps, mask_token_id=mask, block_size=get("block_size", 16), causal=causal,
+                     rope_theta=c.get("rope_theta"))  # fmt: skip
+    for name, tensor in tensors.items():
+        shard = None
+        for weight, (param, sid) in _STACKED.items():
+            if f".{weight}." in name:
+                name, shard = name.replace(weight, param), sid
+                break
+        resolved = name if name in held.expected else name.removeprefix("model.")
+        if resolved not in held.expected:
+            held.dropped.append(name)  # ignored without a word
+            continue
+        _fill(held, resolved, shard, tensor, "SGLang")
+    return held

@@ -68,7 +68,7 @@ def check_causal_lm(model, role: str) -> None:
     declared = ARCHITECTURES.get(getattr(config, "model_type", None))
     if declared is not None and declared.status == "unsupported":
         raise ValueError(f"{role} ({name}) is not supported by specfx: {declared.reason}.")
-    if keeps_state(model) or (declared is not None and declared.stateful):
+    if keeps_state(model) or (declared is not None and declared.stateful and declared.status == "refused"):
         why = state_refusal(model, role)
         if why is not None:
             raise ValueError(why)

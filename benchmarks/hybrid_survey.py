@@ -32,73 +32,21 @@ import warnings
 
 import torch
 
+from specfx.model.architectures import ARCHITECTURES
+
 TYPES = (
     "bamba bailing_hybrid falcon_h1 falcon_mamba granitemoehybrid jamba kimi_linear lfm3 mamba mamba2 nemotron_h "
     "olmo_hybrid qwen3_5_text qwen3_5_moe_text qwen3_next qwen4_exp_text recurrent_gemma rwkv xlstm zamba zamba2 "
     "deepseek_v4 lara_mini minimax hy_v4 inkling_text inkling2_text inkling2_loop_text"
 ).split()
 
-# MoE routing groups that fit 4 experts; MLA attention with KV heads = query heads (as in the
-# real checkpoints; a multi-token continuation through the cache fails otherwise)
-_MOE = dict(n_group=1, topk_group=1, num_experts=4, num_experts_per_tok=2, num_key_value_heads=4)
-_GDN = dict(
-    layer_types=["linear_attention", "full_attention"],
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-)
-# Tiny-config overrides beyond specfx.testing.tiny's generic shrinking: one layer of each kind
-# (a 2-layer config of the default pattern is all linear-attention, and HF's cache then cannot
-# answer get_seq_length), heads consistent with the shrunken hidden size.
+# Tiny-config overrides beyond specfx.testing.tiny's generic shrinking: the architecture table's (one
+# layer of each kind, heads consistent with the shrunken hidden size), and these for the rows without
+# them (a 2-layer config of the default pattern is all linear-attention, and HF's cache then cannot
+# answer get_seq_length)
 OVERRIDES: dict[str, dict] = {
-    "bamba": dict(attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16),
-    "bailing_hybrid": dict(
-        layer_types=["linear_attention", "full_attention"],
-        mlp_layer_types=["dense", "sparse"],
-        linear_num_heads=4,
-        linear_head_dim=16,
-        first_k_dense_replace=1,
-        **_MOE,
-    ),
-    # the default SSD sizes (1024 channels, 128 heads, state 256) cost GBs in the torch SSD path
-    "falcon_h1": dict(mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16),
-    "granitemoehybrid": dict(layer_types=["mamba", "attention"], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16),
-    "jamba": dict(
-        attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, mamba_d_state=16
-    ),
-    "kimi_linear": dict(
-        layer_types=["linear_attention", "full_attention"],
-        mlp_layer_types=["dense", "sparse"],
-        linear_num_heads=4,
-        linear_head_dim=16,
-        **_MOE,
-    ),
-    "lfm3": dict(layer_types=["conv", "full_attention"]),
-    "mamba2": dict(num_heads=8, head_dim=16, state_size=16, n_groups=1),
-    "qwen3_5_text": _GDN,
-    "qwen3_5_moe_text": _GDN,
-    "qwen3_next": _GDN,
-    "qwen4_exp_text": dict(
-        _GDN, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=16, indexer_compress_ratio=4
-    ),
+    **{name: spec.overrides for name, spec in ARCHITECTURES.items() if spec.stateful and spec.overrides},
     "recurrent_gemma": dict(block_types=["recurrent", "attention"], lru_width=64),
-    "zamba": dict(
-        num_hidden_layers=3,
-        layers_block_type=["linear_attention", "hybrid", "hybrid"],
-        attn_layer_period=2,
-        attn_layer_offset=1,
-        attention_head_dim=32,
-        n_mamba_heads=2,
-    ),
-    "zamba2": dict(
-        layers_block_type=["linear_attention", "hybrid"],
-        hybrid_layer_ids=[1],
-        mamba_headdim=16,
-        n_mamba_heads=8,
-        attention_head_dim=32,
-        mamba_d_state=16,
-    ),
     "xlstm": dict(qk_dim_factor=1.0),
 }
 

@@ -33,6 +33,7 @@ from specfx.model.probe import (
     probe_tokens,
     tree_logits,
 )
+from specfx.model.recurrent import keeps_state
 
 __all__ = [
     "check_causal_lm",
@@ -67,7 +68,7 @@ def check_causal_lm(model, role: str) -> None:
     declared = ARCHITECTURES.get(getattr(config, "model_type", None))
     if declared is not None and declared.status == "unsupported":
         raise ValueError(f"{role} ({name}) is not supported by specfx: {declared.reason}.")
-    if getattr(model, "_is_stateful", False):
+    if keeps_state(model) or (declared is not None and declared.stateful and declared.status == "refused"):
         why = state_refusal(model, role)
         if why is not None:
             raise ValueError(why)
@@ -92,41 +93,35 @@ def state_cache_kwarg(model) -> str | None:
 
 def state_refusal(model, role: str) -> str | None:
     """Why specfx cannot speculate ``model``, which keeps recurrent or linear-attention state, or
-    None if it can (decision 76): as the target, when every stateful layer of HF's own cache
-    layout for its config (``DynamicCache(config=...)``) is an HF linear-attention layer holding
-    no KV, and its type is not declared refused in the architecture table (the types whose exact
-    rollback is not verified yet). The incremental-decoding probe then checks it by running it."""
-    from transformers.cache_utils import DynamicCache, DynamicLayer, LinearAttentionCacheLayerMixin
+    None if it can (decisions 76 and 79): as the target, when HF's own cache layout for its config
+    (``DynamicCache(config=...)``) keeps the state in HF linear-attention layers (alone or beside
+    KV in the same layer), and its type is not declared refused in the architecture table (whose
+    reason is quoted). The incremental-decoding probe then checks it by running it."""
+    from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixin
 
     name = type(model).__name__
+    model_type = getattr(model.config, "model_type", None)
+    declared = ARCHITECTURES.get(model_type)
+    if declared is not None and declared.status == "refused":
+        return (
+            f"{role} ({name}): specfx cannot speculate model type {model_type!r} exactly: {declared.reason}. "
+            f"It refuses it rather than generate different tokens (docs/HYBRID.md and the README's supported "
+            f"models list the hybrid types it runs)."
+        )
     who = f"{role} ({name}) keeps recurrent or linear-attention state (Mamba/RWKV/hybrid-style layers)"
     if role != "target":
         return (
             f"{who}. specfx rolls back such state only in the target model for now: a stateful draft "
             f"model is not supported. Use an attention-only draft model or draft='prompt_lookup'."
         )
-    declared = ARCHITECTURES.get(getattr(model.config, "model_type", None))
-    if declared is not None and declared.status == "refused":
-        return (
-            f"{who}. Speculation needs to discard rejected tokens per row; specfx rolls back only the state "
-            f"kinds it has verified (see the README's supported models), and not this model type's yet, "
-            f"so specfx cannot speculate this model."
-        )
     try:
         layers = DynamicCache(config=model.config.get_text_config(decoder=True)).layers
     except Exception as e:
         return f"{who}, and its cache layout cannot be read from its config ({type(e).__name__}: {e}); specfx cannot speculate it."
-    stateful = [i for i, layer in enumerate(layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]
-    both = [i for i in stateful if isinstance(layers[i], DynamicLayer)]
-    if not stateful:
+    if not any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in layers):
         return (
             f"{who} outside HF's linear-attention cache API (Cache.update_conv_state / "
             f"update_recurrent_state), so specfx cannot snapshot and roll it back; it cannot speculate this model."
-        )
-    if both:
-        return (
-            f"{who}, and its layers {both} hold attention KV and state together, which specfx does not roll "
-            f"back yet; it cannot speculate this model."
         )
     return None
 

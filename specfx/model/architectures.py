@@ -61,9 +61,11 @@ class ArchSpec:
     """One row: status, what the architecture exercises, and tiny-config overrides.
     ``if_causal``: supported only where the installed implementation decodes incrementally
     (:func:`decodes_incrementally`); elsewhere refused by the probe and left out of :func:`supported`.
-    ``stateful``: recurrent or linear-attention state (decision 76), supported as a target with
-    chain rounds only, eager or `specfx_eager` (no draft role, trees, taps or Inductor yet), so left out of
-    :func:`supported`'s generic matrix; ``tests/unit/model/test_hybrid_speculate.py`` checks them."""
+    ``stateful``: recurrent, linear-attention or other non-KV state (decisions 76, 79). On a supported
+    row: supported as a target with chain rounds only, eager or `specfx_eager` (no draft role, trees,
+    taps or Inductor yet), so left out of :func:`supported`'s generic matrix;
+    ``tests/unit/model/test_hybrid_speculate.py`` checks them. On a refused row: ``speculate()`` refuses
+    the type up front, in any role, quoting ``reason`` (what cannot be run exactly, why, what would fix it)."""
 
     status: str
     features: str = ""
@@ -89,7 +91,89 @@ def _u(reason: str) -> ArchSpec:
     return ArchSpec("unsupported", reason=reason)
 
 
-_STATE = "recurrent/linear-attention state (refused by speculate())"
+def _r_state(reason: str, **overrides) -> ArchSpec:
+    """A type with recurrent, linear-attention or other non-KV state that specfx cannot run exactly:
+    refused up front at ``speculate()`` with ``reason`` (decision 79)."""
+    return ArchSpec("refused", reason=reason, overrides=overrides, stateful=True)
+
+
+# Tiny configs of the state rows: one layer of each kind (a 2-layer config of a default pattern may be all
+# linear attention), heads consistent with the small hidden size, SSD sizes small (the torch SSD path is slow)
+_GDN = dict(
+    layer_types=["linear_attention", "full_attention"],
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+)
+_KDA = dict(
+    layer_types=["linear_attention", "full_attention"],
+    mlp_layer_types=["dense", "sparse"],
+    linear_num_heads=4,
+    linear_head_dim=16,
+    n_group=1,
+    topk_group=1,
+    num_experts=4,
+    num_experts_per_tok=2,
+    num_key_value_heads=4,
+)
+_SSD = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16)
+_STATE_TINY = {
+    **dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"), _GDN),
+    "mamba2": dict(num_heads=8, head_dim=16, state_size=16, n_groups=1),
+    "kimi_linear": _KDA,
+    "bailing_hybrid": dict(_KDA, first_k_dense_replace=1),
+    "bamba": dict(_SSD, attn_layer_indices=[1]),
+    "granitemoehybrid": dict(_SSD, layer_types=["mamba", "attention"]),
+    "falcon_h1": dict(_SSD, mamba_d_ssm=128),
+    "lfm3": dict(layer_types=["conv", "full_attention"]),
+    # refused rows (tests/unit/model/test_hybrid_speculate.py checks the reason on these)
+    "mamba": dict(hidden_size=32, state_size=4),
+    "jamba": dict(
+        attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, mamba_d_state=16
+    ),
+    "zamba": dict(
+        num_hidden_layers=3,
+        layers_block_type=["linear_attention", "hybrid", "hybrid"],
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        attention_head_dim=32,
+        n_mamba_heads=2,
+    ),
+    "zamba2": dict(
+        layers_block_type=["linear_attention", "hybrid"],
+        hybrid_layer_ids=[1],
+        mamba_headdim=16,
+        n_mamba_heads=8,
+        attention_head_dim=32,
+        mamba_d_state=16,
+    ),
+    "qwen4_exp_text": dict(
+        _GDN, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=16, indexer_compress_ratio=4
+    ),
+}
+
+_MAMBA1 = (
+    "Mamba1 selective-scan layers: transformers' multi-token forward does not hand the cached recurrent state to "
+    "the scan (mamba_selective_scan starts from zero; only the single-token path continues it), so a verify "
+    "forward of K+1 tokens differs from the model's own token-by-token decoding (logits off by 20-130% of their "
+    "scale); it needs transformers to pass the cached state as the scan's initial state"
+)
+_DT_LIMIT = (
+    "Mamba2 layers whose time step dt is clamped to config.time_step_min (time_step_limit) in transformers' "
+    "multi-token (chunked) path but not in its single-token path, so a verify forward of K+1 tokens differs from "
+    "the model's own token-by-token decoding wherever softplus(dt) < time_step_min (2e-2 of the logits' scale on "
+    "a tiny model); it needs transformers to apply dt_limit in the single-step update too"
+)
+_OUTSIDE = (
+    "outside HF's linear-attention cache API (Cache.update_conv_state / update_recurrent_state), so specfx cannot "
+    "snapshot and roll it back"
+)
+_INKLING = (
+    "attention whose relative-position bias (and its length scaling) is computed from the cache's query offset and "
+    "key length (Cache.get_query_offset / get_mask_sizes), not from position_ids, so specfx's per-row positions "
+    "and slots cannot be given to it (its short-conv state would roll back)"
+)
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     # --- the issue's required set
@@ -116,7 +200,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
             "diffllama doge ernie4_5 exaone4 exaone_moe flex_olmo flint gemma3_text gemma4_unified_text glm "
             "glm4 glm4_moe gpt-sw3 gpt_bigcode gpt_neox_japanese gpt_oss gptj granite granite_swa granitemoe "
             "granitemoe_swa granitemoeshared helium hunyuan_v1_dense hunyuan_v1_moe hy_v3 hyperclovax "
-            "internlm3 iquestcoder jais2 jetmoe kolibri1 laguna lfm2 llama4_text mellum mimo_v2_flash "
+            "internlm3 iquestcoder jais2 jetmoe kolibri1 laguna llama4_text mellum mimo_v2_flash "
             "minimax_m2 minimax_m3_vl_text ministral ministral3 modernbert-decoder nanochat nemotron olmo "
             "olmo2 olmo3 olmoe persimmon phi phimoe qwen3_moe seed_oss smollm3 solar_open starcoder2 "
             "vaultgemma xglm"
@@ -124,6 +208,10 @@ ARCHITECTURES: dict[str, ArchSpec] = {
             " apertus1p5_text exaone sarvam_moe"
         ).split()
     },
+    "lfm2": _s(
+        "short-conv layers in hybrid configs (layer_types 'conv'): their conv state is rolled back as recurrent state "
+        "(decision 79; tests/unit/model/test_hybrid_speculate.py); the tiny config here is attention only"
+    ),
     "dory": _s(
         "looped recurrent-depth layers: one cache copy per loop, appended by the model's own forward "
         "(specfx allocates every cache layer the forward writes up front)",
@@ -159,32 +247,62 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         )
         for name in ("big_bird", "megatron-bert", "rembert")
     },
-    # --- recurrent / linear-attention state rolled back exactly (decision 76): target only, eager chains
+    # --- recurrent / linear-attention state rolled back exactly (decisions 76, 79): target only, chains,
+    # eager or specfx_eager; tests/unit/model/test_hybrid_speculate.py checks every row
     **{
         name: _state(
-            "gated-delta-net linear attention + full attention: static state buffers, snapshot before the "
-            "verify forward, rollback by the mixers' single steps (target only, chain rounds, eager or specfx_eager)"
+            f"{mixer}: static state buffers, snapshot before the verify forward, rollback by the mixers' single steps",
+            **_STATE_TINY.get(name, {}),
         )
-        for name in ("qwen3_next", "qwen3_5_text")
+        for names, mixer in (
+            (
+                "qwen3_next qwen3_5_text qwen3_5_moe_text olmo_hybrid",
+                "gated-delta-net linear attention + full attention",
+            ),
+            ("lara_mini", "gated-delta-net linear attention + sliding attention"),
+            ("kimi_linear bailing_hybrid", "Kimi delta attention (KDA) + full attention"),
+            ("mamba2", "Mamba2 SSD layers only (the 2-D padding mask is its whole mask)"),
+            ("bamba granitemoehybrid", "Mamba2 SSD layers + full attention"),
+            ("falcon_h1", "Mamba2 SSD and attention in the same layer (KV at slots and state in one cache layer)"),
+            ("lfm3", "short-conv layers (conv state only) + full attention"),
+        )
+        for name in names.split()
     },
-    "mamba2": _state(
-        "Mamba2 SSD layers only (no attention: the 2-D padding mask is its whole mask): static state buffers, "
-        "snapshot before the verify forward, rollback by the mixers' single steps (target only, chain rounds, eager or specfx_eager)"
+    # --- refused with the precise reason (decision 79); speculate() quotes it
+    **{name: _r_state(_MAMBA1, **_STATE_TINY.get(name, {})) for name in ("mamba", "falcon_mamba", "jamba", "zamba")},
+    **{name: _r_state(_DT_LIMIT, **_STATE_TINY.get(name, {})) for name in ("nemotron_h", "zamba2")},
+    "qwen4_exp_text": _r_state(
+        "sparse indexed-attention layers (HF's DynamicIndexedLayer): the indexer keeps a key cache of its own "
+        "(Cache.update_indexer) that specfx's slot cache does not hold per row yet (its gated-delta-net layers "
+        "would roll back as Qwen3-Next's)",
+        **_STATE_TINY["qwen4_exp_text"],
     ),
-    # --- refused with a clear error
+    "deepseek_v4": _r_state(
+        "compressed-KV attention layers with a cache layer of their own (DeepseekV4HCACache, compressing KV as "
+        "tokens arrive), which specfx's slot cache does not model (no recurrent state: nothing to roll back)"
+    ),
+    "hy_v4": _r_state(
+        "sparse indexed-attention layers (HF's DynamicIndexedLayer) whose indexer key cache specfx does not "
+        "hold per row, and left padding changes HF's own generate() output (no reference for a padded batch)"
+    ),
+    "minimax": _r_state("lightning-attention (linear-attention) state kept in its own MiniMaxCache, " + _OUTSIDE),
+    "recurrent_gemma": _r_state("RG-LRU recurrent state held inside its modules, not in a cache: " + _OUTSIDE),
+    "rwkv": _r_state(
+        "RWKV-4 recurrent state passed as a state= tuple, " + _OUTSIDE + "; left padding also changes HF's own "
+        "generate() output"
+    ),
+    "xlstm": _r_state(
+        "mLSTM recurrent state in its own xLSTMCache, " + _OUTSIDE + "; left padding also changes HF's own "
+        "generate() output"
+    ),
+    "inkling_text": _r_state(_INKLING),
     **{
-        name: _r(_STATE)
-        for name in (
-            "bamba bailing_hybrid falcon_h1 falcon_mamba granitemoehybrid jamba kimi_linear lfm3 mamba "
-            "nemotron_h olmo_hybrid qwen3_5_moe_text qwen4_exp_text recurrent_gemma "
-            "rwkv xlstm zamba zamba2 deepseek_v4 lara_mini"
-        ).split()
+        name: _r_state(
+            "short-conv state and sliding attention in the same layer ('hybrid_sliding'), and HF's own generate() "
+            "raises IndexError on a left-padded batch, so greedy equality there cannot be checked"
+        )
+        for name in ("inkling2_text", "inkling2_loop_text")
     },
-    "minimax": _r("linear-attention layers (config.layer_types)"),
-    "hy_v4": _r("sparse indexed-attention layers (config.layer_types)"),
-    "inkling_text": _r("hybrid_sliding layers (config.layer_types)"),
-    "inkling2_text": _r("hybrid_sliding layers (config.layer_types)"),
-    "inkling2_loop_text": _r("hybrid_sliding layers (config.layer_types)"),
     **{
         name: _r("derives positions from the cache length, not position_ids (caught by the incremental-decoding probe)")
         for name in ("mvp", "trocr", "roformer", "bart", "mbart", "marian", "pegasus", "bigbird_pegasus")

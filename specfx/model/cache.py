@@ -97,15 +97,28 @@ class SlotCache(Cache):
         """Copy every layer's KV at slots ``src [B, M]`` to ``dst [B, M]`` of the same rows, in
         place (all reads before any write, so the two may overlap): a token tree's accepted
         path moves from its scratch slots to the committed ones."""
-        for layer in self.layers:
-            if layer.is_initialized:
-                for buf in (layer.keys, layer.values):
-                    buf[self.rows, :, dst] = buf[self.rows, :, src]
+        for layer in self.kv_layers:
+            for buf in (layer.keys, layer.values):
+                buf[self.rows, :, dst] = buf[self.rows, :, src]
 
     @property
     def trash_slot(self) -> int:
         return self.capacity - 1
 
     @property
+    def kv_layers(self) -> list[SlotLayer]:
+        """The layers holding allocated KV buffers (a model with state has layers of state only,
+        see :mod:`specfx.model.recurrent`, and layers holding both)."""
+        return [layer for layer in self.layers if isinstance(layer, SlotLayer) and layer.is_initialized]
+
+    @property
     def nbytes(self) -> int:
-        return sum(layer.keys.nbytes + layer.values.nbytes for layer in self.layers if layer.is_initialized)
+        """Bytes of every buffer: KV, and the conv and recurrent states of layers keeping state."""
+        kv = sum(layer.keys.nbytes + layer.values.nbytes for layer in self.kv_layers)
+        states = (
+            t
+            for layer in self.layers
+            for d in (getattr(layer, "conv_states", {}), getattr(layer, "recurrent_states", {}))
+            for t in d.values()
+        )
+        return kv + sum(t.nbytes for t in states if t is not None)

@@ -24,7 +24,9 @@ __all__ = [
     "MASK_FORMATS",
     "MaskPlan",
     "TreeView",
+    "attention_mask_keys",
     "build_mask",
+    "cache_layer_classes",
     "check_attn_implementation",
     "layer_pattern",
     "mask_plan",
@@ -99,14 +101,14 @@ def mask_plan(config, model_name: str, stateful: bool = False) -> MaskPlan:
     distinct type; a dict when they differ), else ``sliding_window`` (all layers sliding) or
     plain causal. Unknown layer types (linear attention, recurrent state, sparse indexers...)
     raise: specfx cannot keep their state per row with rollback; except, for a model admitted with
-    state (``stateful``: ``_is_stateful``, decision 76), the types HF's mapping gives state only
-    (:func:`state_only_layer_types`), which take the runner's 2-D padding mask instead."""
+    state (``stateful``, decisions 76 and 79), whose masks follow HF's cache layer for each type
+    (:func:`attention_mask_keys`): layers without KV take the runner's 2-D padding mask instead."""
     layer_types = getattr(config, "layer_types", None)
     if layer_types:
-        # a stateful model's (admitted: _is_stateful) state-only layers take the runner's 2-D mask
-        # (decision 76); elsewhere such a type is refused below, as every unknown type
-        state_only = state_only_layer_types(layer_types) if stateful else set()
-        by_type = {t: layer_pattern(config, t, model_name) for t in dict.fromkeys(layer_types) if t not in state_only}
+        if stateful:
+            by_type = attention_mask_keys(config, model_name)
+        else:
+            by_type = {t: layer_pattern(config, t, model_name) for t in dict.fromkeys(layer_types)}
         if not by_type:  # stateful layers only: no attention mask is used
             return MaskPlan(("full", None), None)
         if len(set(by_type.values())) == 1:
@@ -118,18 +120,43 @@ def mask_plan(config, model_name: str, stateful: bool = False) -> MaskPlan:
     return MaskPlan(("full", None), None)
 
 
-def state_only_layer_types(layer_types) -> set[str]:
-    """The layer types whose HF cache layer keeps recurrent or linear-attention state and no KV
-    (HF's own layer mapping, ``DYNAMIC_LAYER_TYPE_MAPPING``): they take the 2-D padding mask, not
-    an attention mask (a layer holding both KV and state is not one of them: refused elsewhere)."""
-    from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, DynamicLayer, LinearAttentionCacheLayerMixin
+def cache_layer_classes(config) -> dict[str, type]:
+    """Each of the config's layer types -> the class of HF's own cache layer for it
+    (``DynamicCache(config=...)``: HF's mapping and its renaming, e.g. 5.24's "moe"/"mlp" layers
+    to ``DummyLayer``), which says what a layer keeps: KV, recurrent state, both, or nothing."""
+    from transformers.cache_utils import DynamicCache
 
-    found = set()
-    for t in layer_types:
-        cls = DYNAMIC_LAYER_TYPE_MAPPING.get(t)
-        if cls is not None and issubclass(cls, LinearAttentionCacheLayerMixin) and not issubclass(cls, DynamicLayer):
-            found.add(t)
-    return found
+    text = config.get_text_config(decoder=True)
+    layers = DynamicCache(config=text).layers
+    return {t: type(layer) for t, layer in zip(getattr(text, "layer_types", None) or (), layers, strict=False)}
+
+
+def attention_mask_keys(config, model_name: str) -> dict[str, Pattern]:
+    """The 4-D masks a model with state needs, by the key its forward looks them up under: every
+    layer type whose HF cache layer keeps KV (its own pattern), and for a layer keeping KV and state
+    together (HF's "hybrid" layers: Falcon-H1, Zamba2) the key of its attention kind too
+    ("full_attention" or "sliding_attention": HF's forwards read those layers' masks there, the
+    state's 2-D mask under "linear_attention"). Types keeping state or nothing are left out."""
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
+
+    keys: dict[str, Pattern] = {}
+    for t, cls in cache_layer_classes(config).items():
+        if not issubclass(cls, DynamicLayer):
+            continue  # state only, or no cache at all (MLP/MoE layers): the 2-D padding mask
+        if issubclass(cls, LinearAttentionCacheLayerMixin):
+            kind = "sliding_attention" if issubclass(cls, DynamicSlidingWindowLayer) else "full_attention"
+            keys[t] = keys[kind] = layer_pattern(config, kind, model_name)
+        else:
+            keys[t] = layer_pattern(config, t, model_name)
+    return keys
+
+
+def state_only_layer_types(config) -> set[str]:
+    """The config's layer types whose HF cache layer keeps no KV (recurrent or linear-attention state,
+    or nothing: MLP/MoE layers): they take the 2-D padding mask, not an attention mask."""
+    from transformers.cache_utils import DynamicLayer
+
+    return {t for t, cls in cache_layer_classes(config).items() if not issubclass(cls, DynamicLayer)}
 
 
 def check_attn_implementation(model) -> str:

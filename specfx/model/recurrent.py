@@ -33,15 +33,18 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
-from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin, LinearAttentionLayer
+from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
-from specfx.model.cache import SlotCache
+from specfx.model.cache import SlotCache, SlotLayer
+from specfx.model.masks import attention_mask_keys, cache_layer_classes, state_only_layer_types
 
 __all__ = [
     "MixerTaps",
+    "SlotStateLayer",
     "StateLayer",
     "StateSnapshot",
     "conv_state_after",
+    "keeps_state",
     "masks_with_state",
     "slot_cache_with_state",
     "state_layer_types",
@@ -70,41 +73,78 @@ class StateLayer(LinearAttentionLayer):
             self.has_previous_state[i] = True
 
 
+class SlotStateLayer(StateLayer, SlotLayer):
+    """A layer keeping attention KV and state together (HF's ``LinearAttentionAndFullAttentionLayer``:
+    Falcon-H1's layers, Zamba2's hybrid ones): :class:`SlotLayer`'s KV at slots, which the mask hides
+    when rejected, and :class:`StateLayer`'s state buffers, which the snapshot and mixer steps roll back.
+    HF's own hybrid layer combines its two parents the same way."""
+
+    def __init__(self, owner: SlotCache, number_of_states: int = 1):
+        SlotLayer.__init__(self, owner)
+        StateLayer.__init__(self, number_of_states=number_of_states)
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        if len(args) == 2:  # cache.update(keys, values): the KV buffers
+            SlotLayer.lazy_initialization(self, *args)
+        else:  # update_conv_state / update_recurrent_state, by keyword
+            StateLayer.lazy_initialization(self, *args, **kwargs)
+
+    def get_max_length(self) -> int:  # the KV buffers' (the state mixin answers -1)
+        return SlotLayer.get_max_length(self)
+
+    is_compileable = True
+
+
 def state_layer_types(config) -> set[str]:
-    """The config's layer types whose HF cache layer carries state (HF's own mapping)."""
+    """The config's layer types whose HF cache layer carries state (HF's own mapping; those
+    holding KV too, HF's "hybrid" layers, included)."""
+    return {t for t, cls in cache_layer_classes(config).items() if issubclass(cls, LinearAttentionCacheLayerMixin)}
+
+
+def keeps_state(model) -> bool:
+    """Whether ``model`` keeps recurrent or linear-attention state: HF marks it (``_is_stateful``)
+    or HF's layer mapping gives one of its config's layer types a state layer (LFM2's short-conv
+    layers, which HF does not mark)."""
     from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING
 
-    types = getattr(config.get_text_config(decoder=True), "layer_types", None) or ()
-    return {t for t in types if issubclass(DYNAMIC_LAYER_TYPE_MAPPING[t], LinearAttentionCacheLayerMixin)}
+    if getattr(model, "_is_stateful", False):
+        return True
+    types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ()
+    return any(issubclass(DYNAMIC_LAYER_TYPE_MAPPING.get(t, object), LinearAttentionCacheLayerMixin) for t in types)
 
 
-def masks_with_state(config, kv_mask: torch.Tensor, pad: torch.Tensor | None):
-    """The ``attention_mask`` of a model with stateful layers: by layer type, ``kv_mask`` (4-D)
-    for the attention layers and ``pad`` for the stateful ones (``[B, T]``, 1 on real tokens; None
-    where nothing is padding, as in every verify forward: a static choice, no sync), which HF's
-    mixers multiply their inputs by; ``pad`` alone for a model of stateful layers only."""
-    types = config.get_text_config(decoder=True).layer_types
-    stateful = state_layer_types(config)
-    if stateful == set(types):
+def masks_with_state(config, kv_mask, pad: torch.Tensor | None):
+    """The ``attention_mask`` of a model with stateful layers: ``kv_mask`` (a 4-D mask, or the
+    runner's dict of them by :func:`~specfx.model.masks.attention_mask_keys`) for the layers keeping
+    KV, and ``pad`` for those keeping state or nothing (``[B, T]``, 1 on real tokens; None where nothing is
+    padding, as in every verify forward: a static choice, no sync), which HF's mixers multiply their
+    inputs by, also under "linear_attention", where HF's forwards read the state's mask of a layer
+    keeping both; ``pad`` alone for a model without KV layers."""
+    no_kv = state_only_layer_types(config)
+    if no_kv == set(config.get_text_config(decoder=True).layer_types):
         return pad
-    return {t: pad if t in stateful else kv_mask for t in set(types)}
+    if isinstance(kv_mask, dict):
+        masks = dict(kv_mask)
+    else:
+        masks = dict.fromkeys(attention_mask_keys(config, type(config).__name__), kv_mask)
+    masks.update(dict.fromkeys(no_kv | {"linear_attention"}, pad))
+    return masks
 
 
 def slot_cache_with_state(config, batch_size: int, capacity: int, device) -> SlotCache:
-    """A :class:`SlotCache` whose stateful layers are :class:`StateLayer` s: which layers carry
-    KV and which carry state is read from HF's own layer mapping for the config's layer types
-    (``DynamicCache(config=...)``), not from a list of architectures. Layers with both (Falcon-H1,
-    Zamba2's hybrid layers) are refused for now."""
+    """A :class:`SlotCache` whose stateful layers are :class:`StateLayer` s, and :class:`SlotStateLayer` s
+    where a layer keeps KV too (Falcon-H1, Zamba2's hybrid layers): which layers carry KV, state or
+    both is read from HF's own layer mapping for the config's layer types
+    (``DynamicCache(config=...)``), not from a list of architectures."""
     from transformers.cache_utils import DynamicCache
 
     hf_layers = DynamicCache(config=config.get_text_config(decoder=True)).layers
     cache = SlotCache(len(hf_layers), batch_size, capacity, device)
     for i, hf_layer in enumerate(hf_layers):
-        stateful = isinstance(hf_layer, LinearAttentionCacheLayerMixin)
-        if stateful and isinstance(hf_layer, DynamicLayer):
-            raise ValueError(f"layer {i} ({type(hf_layer).__name__}) holds both KV and state: not prototyped yet")
-        if stateful:
-            cache.layers[i] = StateLayer(number_of_states=hf_layer.number_of_states)
+        if isinstance(hf_layer, LinearAttentionCacheLayerMixin):
+            n = hf_layer.number_of_states
+            both = isinstance(hf_layer, CacheLayerMixin)
+            cache.layers[i] = SlotStateLayer(cache, n) if both else StateLayer(number_of_states=n)
     return cache
 
 
@@ -163,11 +203,13 @@ class MixerTaps:
 
     A mixer is the innermost module with a ``layer_idx`` attribute whose cache layer (in ``cache``)
     is a linear-attention layer: Qwen3-Next's ``Qwen3NextGatedDeltaNet``, Mamba2's ``Mamba2Mixer``,
-    no per-architecture code. Hooks are registered by :meth:`attach` (or for the block of
+    no per-architecture code. Where a layer keeps KV and state (Falcon-H1: an attention and a Mamba2
+    module with the same ``layer_idx``) only the modules that write the state are mixers: given
+    ``run`` (one forward through ``cache``), those are found by running it (decision 79). Hooks are registered by :meth:`attach` (or for the block of
     :meth:`recording`) and record only while :attr:`on`; the engine's version may tap the captured
     graph instead, as the hidden-taps pass does."""
 
-    def __init__(self, model, cache):
+    def __init__(self, model, cache, run=None):
         linear = {i for i, _ in stateful_layers(cache)}
         candidates = [
             (name, mod) for name, mod in model.named_modules() if isinstance(getattr(mod, "layer_idx", None), int)
@@ -178,6 +220,8 @@ class MixerTaps:
             for name, mod in candidates
             if mod.layer_idx in linear and not any(other.startswith(name + ".") for other in names)
         ]
+        if run is not None:
+            self.mixers = _state_writers(self.mixers, cache, run)
         self.inputs: dict[int, tuple[tuple, dict]] = {}
         self.on = False  # record only while True (the replays call the same modules)
         self._handles: list = []
@@ -237,6 +281,52 @@ class MixerTaps:
                 args, kwargs = self.inputs[id(mod)]
                 mod(*_column(args, t), **_column_kw(kwargs, t, cache))
             before.restore(keep=t <= n)
+
+
+class _Touches(dict):
+    """A layer's conv or recurrent state dict that counts its reads (while mixers are found)."""
+
+    def __init__(self, states: dict, counter: list):
+        super().__init__(states)
+        self.counter = counter
+
+    def __getitem__(self, idx):
+        self.counter[0] += 1
+        return super().__getitem__(idx)
+
+
+def _state_writers(mods, cache, run) -> list:
+    """Those of ``mods`` inside whose forward their cache layer's state is read or written during
+    ``run()`` (HF's mixers read it through ``cache.get_conv_state`` and write it through
+    ``update_conv_state`` or in place; attention beside it in the same layer touches only KV):
+    each state dict swapped for one that counts, a pre- and a post-hook on each module."""
+    layers = dict(stateful_layers(cache))
+    counters = {i: [0] for i in layers}
+    saved = {i: (layer.conv_states, layer.recurrent_states) for i, layer in layers.items()}
+    before: dict[int, int] = {}
+    touched: set[int] = set()
+
+    def pre(mod, args):
+        before[id(mod)] = counters[mod.layer_idx][0]
+
+    def post(mod, args, out):
+        if counters[mod.layer_idx][0] > before[id(mod)]:
+            touched.add(id(mod))
+
+    handles = [h for m in mods for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
+    for i, layer in layers.items():
+        layer.conv_states = _Touches(layer.conv_states, counters[i])
+        layer.recurrent_states = _Touches(layer.recurrent_states, counters[i])
+    try:
+        run()
+    finally:
+        for i, layer in layers.items():  # the same dict objects back (the snapshots hold them)
+            for name, orig in zip(("conv_states", "recurrent_states"), saved[i], strict=True):
+                orig.update(getattr(layer, name))
+                setattr(layer, name, orig)
+        for h in handles:
+            h.remove()
+    return [m for m in mods if id(m) in touched]
 
 
 def _slice(x, sl):

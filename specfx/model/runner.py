@@ -26,7 +26,14 @@ from specfx.model.cache import SlotCache
 from specfx.model.hf_names import cache_kwarg
 from specfx.model.masks import TreeView, check_attn_implementation, mask_plan
 from specfx.model.probe import probe_capacity, probe_length
-from specfx.model.recurrent import MixerTaps, StateSnapshot, masks_with_state, slot_cache_with_state, stateful_layers
+from specfx.model.recurrent import (
+    MixerTaps,
+    StateSnapshot,
+    keeps_state,
+    masks_with_state,
+    slot_cache_with_state,
+    stateful_layers,
+)
 from specfx.model.taps import TapCaptures
 from specfx.trees.types import DynamicTree, TokenTree
 
@@ -69,7 +76,7 @@ class ModelRunner:
         check_weights_loaded(model, role)
         self.mask_format = check_attn_implementation(model)
         config = model.config.get_text_config()
-        self.mask_plan = mask_plan(config, type(model).__name__, stateful=bool(getattr(model, "_is_stateful", False)))
+        self.mask_plan = mask_plan(config, type(model).__name__, stateful=keeps_state(model))
         self.model = model
         self.role = role
         self.num_layers = config.num_hidden_layers
@@ -92,7 +99,7 @@ class ModelRunner:
         self.taps = TapCaptures(self)  # the captured tapped forwards (forward(..., taps=...))
         # recurrent / linear-attention state (decision 76): static per-row buffers, a snapshot
         # taken before each verify forward and the mixers' single steps that roll it back
-        self.stateful = bool(getattr(model, "_is_stateful", False))
+        self.stateful = keeps_state(model)
         self.state_snapshot: StateSnapshot | None = None
         self.mixer_taps: MixerTaps | None = None
         check_incremental(self, probe_capacity(self.probe_length))
@@ -134,12 +141,13 @@ class ModelRunner:
         else:
             self.cache = SlotCache(self.cache_layers, batch_size, capacity, self.device)
         zeros = torch.zeros((batch_size, 1), dtype=torch.long, device=self.device)
+        trash = torch.full_like(zeros, self.cache.trash_slot)
         with torch.no_grad():
-            self.forward(zeros, zeros, torch.full_like(zeros, self.cache.trash_slot))
-        if self.stateful:
-            self.reset_state()
-            self.state_snapshot = StateSnapshot(self.cache)
-            self.mixer_taps = MixerTaps(self.model, self.cache)
+            self.forward(zeros, zeros, trash)
+            if self.stateful:  # the mixers: the modules that touch state in a second such forward
+                self.state_snapshot = StateSnapshot(self.cache)
+                self.mixer_taps = MixerTaps(self.model, self.cache, run=lambda: self.forward(zeros, zeros, trash))
+                self.reset_state()
 
     # ------------------------------------------- recurrent state (decision 76; stateful models only)
     def reset_state(self) -> None:

@@ -12,24 +12,30 @@ rejected inputs.
 
 import pytest
 import torch
+import transformers
 
 import specfx
 from specfx.drafters.base import Drafter
+from specfx.model.architectures import ARCHITECTURES, installed
 from specfx.testing.tiny import tiny_causal_lm
 from tests.conftest import left_padded, prompt
 
-GDN = dict(
-    layer_types=["linear_attention", "full_attention"],
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-)
-TINY = {"qwen3_next": GDN, "qwen3_5_text": GDN, "mamba2": dict(num_heads=8, head_dim=16, state_size=16, n_groups=1)}
+# Every state row of the architecture table (its tiny config from the row), and LFM2's hybrid configs
+# (a supported type whose short-conv layers keep state only where a config has them)
+TINY = {name: spec.overrides for name, spec in ARCHITECTURES.items() if spec.stateful and spec.status == "supported"}
+TINY["lfm2"] = dict(layer_types=["conv", "full_attention"])
 K = 4
 
 
-@pytest.fixture(scope="module", params=sorted(TINY))
+def _param(name: str):
+    """A type the installed transformers does not ship is skipped, saying so (bailing_hybrid, lara_mini and
+    lfm3 are new in 5.24): a missing type, never a failing one."""
+    missing = not installed(name)
+    reason = f"model type {name!r} is not in transformers {transformers.__version__}"
+    return pytest.param(name, marks=pytest.mark.skipif(missing, reason=reason))
+
+
+@pytest.fixture(scope="module", params=[_param(name) for name in sorted(TINY)])
 def model(request):
     m = tiny_causal_lm(request.param, **TINY[request.param])
     m.generation_config.eos_token_id = None  # generate every token asked for
@@ -168,16 +174,23 @@ def test_what_is_not_supported_yet_is_refused(model, options, match):
         specfx.speculate(model, **options)
 
 
-def test_state_without_hf_linear_attention_layers_stays_refused():
-    m = tiny_causal_lm("mamba", hidden_size=32, state_size=4)
-    with pytest.raises(ValueError, match=r"recurrent or linear-attention state"):
-        specfx.speculate(m, draft="prompt_lookup", compile=False)
+# Types refused with their precise reason (the table's), built tiny as the table's rows say
+REFUSED = ("inkling_text", "jamba", "mamba", "nemotron_h", "qwen4_exp_text", "zamba2")
+REASONS = {
+    "mamba": r"'mamba' exactly: Mamba1 selective-scan layers.*does not hand the cached recurrent state to the scan",
+    "jamba": r"'jamba' exactly: Mamba1 selective-scan layers.*initial state",
+    "nemotron_h": r"'nemotron_h' exactly: Mamba2 layers whose time step dt is clamped.*single-step update",
+    "zamba2": r"'zamba2' exactly: Mamba2 layers whose time step dt is clamped",
+    "qwen4_exp_text": r"'qwen4_exp_text' exactly: sparse indexed-attention layers.*update_indexer",
+    "inkling_text": r"'inkling_text' exactly: attention whose relative-position bias.*not from position_ids",
+}
 
 
-def test_conv_layers_of_a_model_not_marked_stateful_stay_refused():
-    """LFM2's short-conv layers keep state, yet the model does not set ``_is_stateful``: refused as
-    before (its conv layers' type has no mask), not driven without a rollback."""
-    m = tiny_causal_lm("lfm2", layer_types=["conv", "full_attention"])
-    assert not m._is_stateful
-    with pytest.raises(ValueError, match=r"layers of type 'conv'.*cannot roll back"):
-        specfx.speculate(m, draft="prompt_lookup", compile=False)
+@pytest.mark.parametrize("name", [_param(name) for name in REFUSED])
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_types_that_cannot_run_exactly_are_refused_with_the_reason(name, role):
+    m = tiny_causal_lm(name, **ARCHITECTURES[name].overrides)
+    assert ARCHITECTURES[name].status == "refused" and ARCHITECTURES[name].stateful
+    target, draft = (m, "prompt_lookup") if role == "target" else (tiny_causal_lm("llama"), m)
+    with pytest.raises(ValueError, match=REASONS[name]):
+        specfx.speculate(target, draft=draft, compile=False)

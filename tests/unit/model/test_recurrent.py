@@ -218,3 +218,27 @@ def test_static_state_buffers_run_rounds_like_the_full_forward(model):
         committed = [torch.cat([committed[b], verify[b, : int(n[b]) + 1]]) for b in range(2)]
         lengths = lengths + n + 1
         logits = logits.gather(1, n.view(2, 1, 1).expand(-1, 1, logits.shape[-1]))  # the last accepted column
+
+
+@torch.no_grad()
+def test_a_layer_holding_kv_and_state_keeps_both_and_replays_only_its_state_writer():
+    """Falcon-H1: an attention and a Mamba2 module share each layer's index. specfx's cache layer
+    keeps the KV at slots and the state (decision 79); the innermost modules with a state layer's
+    index include the attention, so the mixers are the modules found writing state in a forward."""
+    from specfx.model.architectures import ARCHITECTURES
+    from specfx.model.recurrent import SlotStateLayer, slot_cache_with_state
+
+    model = tiny_causal_lm("falcon_h1", **ARCHITECTURES["falcon_h1"].overrides)
+    cache = slot_cache_with_state(model.config, 1, 16, model.device)
+    assert all(isinstance(layer, SlotStateLayer) for layer in cache.layers)
+    ids = torch.tensor([[5, 6, 7]])
+    positions = torch.arange(3).unsqueeze(0)
+
+    def run():
+        _slot_forward(model, cache, ids, positions, positions, positions >= 0)
+
+    run()
+    assert {type(m).__name__ for m in MixerTaps(model, cache).mixers} == {"FalconH1Mixer", "FalconH1Attention"}
+    assert [type(m).__name__ for m in MixerTaps(model, cache, run=run).mixers] == ["FalconH1Mixer"] * 2
+    kv = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    assert cache.nbytes == kv + sum(t.nbytes for t in _states(cache)) > kv

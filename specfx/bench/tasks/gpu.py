@@ -16,6 +16,10 @@ measures on the same random prompts and the same number of new tokens, greedy:
     specfx_draft        specfx.speculate(target, draft).generate()            (compiled)
     specfx_oracle_<α>   specfx with specfx/bench/oracle.py's OracleDrafter at α (one generator)
     specfx_self         specfx.speculate(target, draft=target): α = 1 with a full-size draft
+    specfx_auto         specfx with the draft and num_speculative_tokens="auto" (K per window among 0
+                        and --auto-k-values; each K a round graph, compiled and timed in the first call)
+    specfx_auto_oracle_<α>  "auto" with the oracle at each --auto-alphas (α = 0: nothing pays, "auto"
+                        must fall back to K = 0; issue 30 asks >= 0.95x HF static + compile)
 
 Every method is warmed up once (graphs compile there), then the timed repeats are interleaved;
 tokens/s = B x new tokens / median wall time of a generate() call (prefill included). Outputs
@@ -57,6 +61,7 @@ from specfx.bench.harness import log
 from specfx.bench.tasks.gpu_combo import Combo
 from specfx.bench.tasks.gpu_plan import ASSUMED, METHODS, PAIRS, Predictor, build_model, plan, print_plan
 from specfx.bench.tasks.gpu_report import meta_info, print_summary, write
+from specfx.config import SpecConfig
 
 __all__ = ["main", "parse_args"]
 
@@ -77,6 +82,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}")
     p.add_argument("--alphas", default="1,0.8,0.6", help="oracle acceptance probabilities")
     p.add_argument("--k", type=int, default=4, help="K, proposals per round")
+    p.add_argument(
+        "--auto-k-values",
+        default=",".join(map(str, SpecConfig.auto_k_values)),
+        help='the Ks "auto" chooses from besides 0 (specfx_auto, specfx_auto_oracle: SpecConfig.auto_k_values;\n'
+        "default the library's); each one is a round graph compiled and timed in the first call",
+    )
+    p.add_argument(
+        "--auto-alphas", default="0,0.6", help="the oracle's acceptance probabilities for specfx_auto_oracle"
+    )
     p.add_argument("--new-tokens", type=int, default=None, help="new tokens per row (default 128; smoke 16)")
     p.add_argument("--repeats", type=int, default=3, help="timed calls per method after the warm-up")
     p.add_argument("--micro-iters", type=int, default=20, help="timed calls per round / part")
@@ -151,6 +165,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.contexts = _list(args.contexts or ("24" if smoke else "512,4096"), int)
     args.methods = _list(args.methods, str)
     args.alphas = _list(args.alphas, float)
+    args.auto_alphas = _list(args.auto_alphas, float)
+    args.auto_k_values = tuple(_list(args.auto_k_values, int))
     args.new_tokens = args.new_tokens or (16 if smoke else 128)
     args.device = args.device or ("cpu" if smoke else "cuda")
     args.dtype = args.dtype or ("float32" if smoke else "bfloat16")
@@ -161,8 +177,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     for m in args.methods:
         if m not in METHODS:
             p.error(f"--methods: unknown method {m!r}; choose from {', '.join(METHODS)}")
-    if any(not 0 <= a <= 1 for a in args.alphas):
-        p.error("--alphas must lie in [0, 1]")
+    if any(not 0 <= a <= 1 for a in args.alphas + args.auto_alphas):
+        p.error("--alphas and --auto-alphas must lie in [0, 1]")
+    try:
+        SpecConfig(num_speculative_tokens="auto", auto_k_values=args.auto_k_values)
+    except ValueError as e:
+        p.error(f"--auto-k-values: {e}")
     try:
         args.inductor_options = _options(args.inductor_options)
         if args.inductor_options:

@@ -22,8 +22,9 @@ from specfx.bench.floor import (
 )
 from specfx.bench.harness import first_mismatch, hf_compile_config, log, run_all, sync_fn
 from specfx.bench.oracle import OracleDrafter, greedy_continuation
-from specfx.bench.tasks.gpu_plan import method_rows
+from specfx.bench.tasks.gpu_plan import FAMILIES, OVERHEAD_FAMILIES, auto_ks, family, method_rows
 from specfx.bench.tasks.gpu_report import fmt
+from specfx.config import SpecConfig
 from specfx.passes.backend import make_backend
 
 __all__ = ["Combo", "make_spec", "stats_dict"]
@@ -112,12 +113,16 @@ def round_callable(spec):
     return spec.round_fn()
 
 
-def make_spec(target, draft, args, ctx: int):
-    needed = ctx + args.new_tokens + args.k + 2
+def make_spec(target, draft, args, ctx: int, auto: bool = False):
+    """A compiled generator fitted to the combination; ``auto``: num_speculative_tokens="auto"
+    among K = 0 and ``args.auto_k_values`` (each K a round graph, compiled and timed in the first call)."""
+    values = getattr(args, "auto_k_values", None) or SpecConfig.auto_k_values  # (benchmarks/ pass a namespace)
+    needed = ctx + args.new_tokens + max(args.k, *values) + 2
     spec = specfx.speculate(
         target,
         draft=draft,
-        num_speculative_tokens=args.k,
+        num_speculative_tokens="auto" if auto else args.k,
+        auto_k_values=values,
         compile=True,
         backend=args.backend,
         prefill_buckets=(ctx,),
@@ -176,21 +181,31 @@ class Combo:
                     before()
                 out = spec.generate(x, attention_mask=mask, max_new_tokens=n)
                 self.stats[name] = stats_dict(spec.stats, k)
+                if spec.auto_k is not None:  # the call's K per window and the round times it chose from
+                    hist = spec.auto_k.history
+                    self.stats[name]["auto_k"] = dict(
+                        windows_per_k={kk: hist.count(kk) for kk in sorted(set(hist))},
+                        round_times_ms={kk: 1e3 * t for kk, t in (spec.auto_k.times or {}).items()},
+                    )
                 return out
 
             return fn
 
-        oracle_rows = [r for r in rows if r.startswith("specfx_oracle")]
-        if oracle_rows:
-            log(f"[{self.label}] oracle reference: target's greedy continuation ({n + k + 1} tokens)")
-            reference = greedy_continuation(target, ids, mask, new_tokens=n + k + 1)
-            oracle = OracleDrafter(args.alphas[0], reference)
-            spec = self.specs["specfx_oracle"] = make_spec(target, oracle, args, self.ctx)
-            for row, alpha in zip(oracle_rows, args.alphas, strict=True):
-                fns[row] = spec_fn(row, spec, functools.partial(oracle.set_alpha, alpha))
-        if "specfx_draft" in rows:
-            self.specs["specfx_draft"] = make_spec(target, draft, args, self.ctx)
-            fns["specfx_draft"] = spec_fn("specfx_draft", self.specs["specfx_draft"])
+        if any(family(r) in FAMILIES for r in rows):
+            reach = n + max(auto_ks(args) + (k,)) + 1  # the last round's proposals reach K past the end
+            log(f"[{self.label}] oracle reference: target's greedy continuation ({reach} tokens)")
+            reference = greedy_continuation(target, ids, mask, new_tokens=reach)
+        for fam, alphas in (("specfx_oracle", args.alphas), ("specfx_auto_oracle", args.auto_alphas)):
+            fam_rows = [r for r in rows if family(r) == fam]
+            if fam_rows:  # one generator per family, alpha changed in place
+                oracle = OracleDrafter(alphas[0], reference)
+                spec = self.specs[fam] = make_spec(target, oracle, args, self.ctx, auto=fam == "specfx_auto_oracle")
+                for row, alpha in zip(fam_rows, alphas, strict=True):
+                    fns[row] = spec_fn(row, spec, functools.partial(oracle.set_alpha, alpha))
+        for name, auto in (("specfx_draft", False), ("specfx_auto", True)):
+            if name in rows:
+                self.specs[name] = make_spec(target, draft, args, self.ctx, auto=auto)
+                fns[name] = spec_fn(name, self.specs[name])
         if "hf_assisted" in rows:
             gc_ = draft.generation_config  # assisted generation reads K from the assistant's config
             gc_.num_assistant_tokens, gc_.num_assistant_tokens_schedule = k, "constant"
@@ -294,13 +309,13 @@ class Combo:
         overlapped and not (``SpecConfig.overlap_reads``: a host-loop setting, same graphs)."""
         out = {}
         dev = torch.device(self.args.device)
-        for family, spec in self.specs.items():
-            row = next((r for r in fns if r.startswith(family) and self.results.get(r, {}).get("status") == "ok"), None)
+        for fam, spec in self.specs.items():
+            row = next((r for r in fns if family(r) == fam and self.results.get(r, {}).get("status") == "ok"), None)
             if row is None or self.time_left() < 30:
                 continue
             config = spec.spec_config
-            try:
-                for overlap in (True, False):
+            try:  # "auto" reads its counters every round: overlap_reads changes nothing there
+                for overlap in (True,) if spec.auto_k is not None else (True, False):
                     spec.spec_config = dataclasses.replace(config, overlap_reads=overlap)
                     p = profile_decode(lambda row=row: fns[row](self._ids), spec, dev)
                     out[f"{row}|overlap_reads={overlap}"] = p
@@ -319,10 +334,11 @@ class Combo:
     # ------------------------------------------------------------------------- overhead
     def round_overhead(self) -> dict:
         args, k, b = self.args, self.args.k, self.batch
-        live = {
+        live = {  # fixed-K generators only: an "auto" round has no single K to price in parts
             m: s
             for m, s in self.specs.items()
-            if any(self.results.get(r, {}).get("status") == "ok" for r in self.results if r.startswith(m))
+            if m in OVERHEAD_FAMILIES
+            and any(self.results.get(r, {}).get("status") == "ok" for r in self.results if family(r) == m)
         }
         if not live:
             return {}
@@ -396,13 +412,13 @@ class Combo:
         for name, res in self.results.items():
             if res.get("status") != "ok":
                 continue
-            family = "specfx_oracle" if name.startswith("specfx_oracle") else name
-            if family in rounds:
-                ideal = ideal_tokens_per_s(res["spec_stats"]["tau"], rounds[family], b)
+            fam = family(name)
+            if fam in rounds:
+                ideal = ideal_tokens_per_s(res["spec_stats"]["tau"], rounds[fam], b)
             elif name in ("hf_dynamic", "hf_static_compiled"):
                 ideal = ideal_tokens_per_s(1.0, decode, b)
             else:
-                continue  # hf_assisted: its τ is not exposed
+                continue  # hf_assisted: its τ is not exposed; "auto": no single round to price
             res["ideal_tokens_per_s"] = ideal
             res["fraction_of_floor"] = fraction_of_floor(res["tokens_per_s"], ideal)
         return out

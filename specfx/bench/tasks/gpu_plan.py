@@ -34,6 +34,8 @@ __all__ = [
     "build_model",
     "plan",
     "method_rows",
+    "family",
+    "auto_ks",
     "Predictor",
     "print_plan",
 ]
@@ -53,8 +55,13 @@ SHAPES = {
                   intermediate_size=128, vocab_size=256, tie_word_embeddings=False),
 }  # fmt: skip
 PAIRS = {"8b-1b": ("8b", "1b"), "1b-150m": ("1b", "150m"), "tiny": ("tiny", "tiny1")}
-# in the order they run: the reference and the baseline first, then the cheapest compiles
-METHODS = ("hf_dynamic", "hf_static_compiled", "specfx_oracle", "specfx_draft", "hf_assisted", "specfx_self")
+# in the order they run: the reference and the baseline first, then the cheapest compiles.
+# specfx_auto / specfx_auto_oracle: num_speculative_tokens="auto" (K chosen per window among 0 and
+# --auto-k-values, one round graph each) with the real draft / the oracle at each --auto-alphas
+METHODS = ("hf_dynamic", "hf_static_compiled", "specfx_oracle", "specfx_auto_oracle", "specfx_draft", "specfx_auto",
+           "hf_assisted", "specfx_self")  # fmt: skip
+FAMILIES = ("specfx_auto_oracle", "specfx_oracle")  # methods with one row per alpha: <family>_<alpha>
+OVERHEAD_FAMILIES = ("specfx_oracle", "specfx_draft", "specfx_self")  # fixed K: round overhead timed in parts
 
 # Rough costs for predicting a run (--dry-run, the budget guard). Guesses until a GPU run
 # calibrates them: its JSON has every method's measured warm-up (compile) and call times next
@@ -133,8 +140,21 @@ def method_rows(args, batch: int) -> list[str]:
     for m in args.methods:
         if m == "hf_assisted" and batch > 1:
             continue  # HF assisted generation refuses batch > 1
-        rows += [f"specfx_oracle_{a:g}" for a in args.alphas] if m == "specfx_oracle" else [m]
+        if m in FAMILIES:
+            rows += [f"{m}_{a:g}" for a in (args.alphas if m == "specfx_oracle" else args.auto_alphas)]
+        else:
+            rows.append(m)
     return rows
+
+
+def family(row: str) -> str:
+    """The method (and generator) a row belongs to: ``specfx_oracle_0.6`` -> ``specfx_oracle``."""
+    return next((f for f in FAMILIES if row.startswith(f + "_")), row)
+
+
+def auto_ks(args) -> tuple[int, ...]:
+    """The Ks an "auto" generator compiles a round graph for (and times): 0 and --auto-k-values."""
+    return (0, *args.auto_k_values)
 
 
 # ----------------------------------------------------------------------------- prediction
@@ -190,6 +210,21 @@ class Predictor:
                 self.graph(layers(t)) if i == 0 else 0.0,
                 pre + n / tau * (verify / eff + host),
             )
+        # "auto": one round graph per candidate K (K = 0 included), all compiled and timed
+        # (2 + 7 calls each) in the first call; the calls priced at the best K of the floor
+        ks = auto_ks(self.args)
+        timing = 9 * sum(self._fwd(t, batch, kk + 1, mid) / eff + host for kk in ks)
+        draft_timing = timing + 9 * sum(kk * step_d / eff for kk in ks)
+        out["specfx_auto"] = (
+            sum(self.graph(layers(t) + kk * layers(d)) for kk in ks) + draft_timing,
+            pre + pre_d + n * (step_t / eff + host),  # a draft that accepts nothing: K = 0
+        )
+        for i, alpha in enumerate(self.args.auto_alphas):
+            per_token = [step_t / eff + host]  # K = 0: plain decoding
+            for kk in ks[1:]:
+                per_token.append((self._fwd(t, batch, kk + 1, mid) / eff + host) / expected_acceptance(alpha, kk)[1])
+            compile_s = self.graph(layers(t)) * len(ks) + timing if i == 0 else 0.0
+            out[f"specfx_auto_oracle_{alpha:g}"] = (compile_s, pre + n * min(per_token))
         rows = self.args.methods
         parts = self.graph(layers(t))  # verify
         parts += self.graph(layers(d)) if "specfx_draft" in rows else 0.0
@@ -204,9 +239,9 @@ class Predictor:
         calls = 1 + self.args.repeats
         rows = method_rows(self.args, batch)
         total = sum(steps[m][0] + calls * steps[m][1] for m in rows)
-        if any(m.startswith("specfx_oracle") for m in rows):
+        if any(family(m) in FAMILIES for m in rows):
             total += steps["reference"][1]
-        if not self.args.no_overhead and any(m.startswith("specfx") for m in rows):
+        if not self.args.no_overhead and any(family(m) in OVERHEAD_FAMILIES for m in rows):
             total += steps["parts"][0]
         return total
 

@@ -15,7 +15,9 @@ import transformers
 import specfx
 from specfx.bench.oracle import expected_acceptance
 
-__all__ = ["fmt", "table", "floor_lines", "profile_lines", "meta_info", "write", "print_summary"]
+__all__ = ["fmt", "table", "floor_lines", "profile_lines", "auto_lines", "meta_info", "write", "print_summary"]
+
+AUTO_FLOOR = 0.95  # issue 30: "auto" never below 0.95x HF static + compile
 
 
 def fmt(x, spec: str, na: str = "-") -> str:
@@ -34,7 +36,7 @@ def table(combos: list[dict], args) -> str:
                 cells += [f"{r.get('status')}: {r.get('reason', '')[:60]}"] + [""] * 7
             else:
                 st = r.get("spec_stats", {})
-                family = "specfx_oracle" if name.startswith("specfx_oracle") else name
+                family = "specfx_oracle" if name.startswith("specfx_oracle_") else name
                 same = r.get("same_tokens_as_hf_dynamic")
                 mism = r.get("first_mismatch_per_row", [])
                 same_txt = (
@@ -97,6 +99,25 @@ def profile_lines(combos: list[dict]) -> str:
     return "\n".join(out)
 
 
+def auto_lines(combos: list[dict]) -> str:
+    """One line per "auto" row: the Ks its last call ran (sync windows), the round times it chose
+    from, and its ratio to HF static + compile against the issue's bound."""
+    out = []
+    for c in combos:
+        for name, r in c["methods"].items():
+            auto = r.get("spec_stats", {}).get("auto_k")
+            if auto is None:
+                continue
+            ratio = r.get("speedup_vs_hf_static_compiled")
+            verdict = "" if ratio is None else f" ({'>=' if ratio >= AUTO_FLOOR else 'BELOW'} {AUTO_FLOOR})"
+            times = ", ".join(f"{k}: {t:.3f}" for k, t in auto["round_times_ms"].items())
+            out.append(
+                f"{c['pair']} B={c['batch']} ctx={c['context']} {name}: K windows {auto['windows_per_k']}, "
+                f"round ms {{{times}}}; {fmt(ratio, '.3f')}x HF static+compile{verdict}"
+            )
+    return "\n".join(out)
+
+
 def meta_info(args, bandwidth) -> dict:
     dev = torch.device(args.device)
     return dict(
@@ -124,7 +145,7 @@ def write(args, meta, combos, skipped) -> None:
         f"Inductor options: {opts})",
         "",
     ]
-    md += [table(combos, args), "", "```", floor_lines(combos), profile_lines(combos), "```"]
+    md += [table(combos, args), "", "```", floor_lines(combos), profile_lines(combos), auto_lines(combos), "```"]
     if skipped:
         md += ["", "Skipped (budget): " + ", ".join(skipped)]
     (args.out_dir / f"bench_{args.tag}.md").write_text("\n".join(md) + "\n")
@@ -141,9 +162,11 @@ def print_summary(args, meta: dict, combos: list[dict], skipped: list[str], pred
     print(floor_lines(combos))
     if any(c.get("profile") for c in combos):
         print(profile_lines(combos))
+    if auto_lines(combos):
+        print(auto_lines(combos))
     for c in combos:
         for name, r in c["methods"].items():
-            if name.startswith("specfx_oracle") and "spec_stats" in r:
+            if name.startswith("specfx_oracle_") and "spec_stats" in r:
                 alpha = float(name.rsplit("_", 1)[1])
                 rate, tau = expected_acceptance(alpha, args.k)
                 print(f"{c['pair']} B={c['batch']} ctx={c['context']} {name}: acceptance {r['spec_stats']['acceptance_rate']:.3f} "

@@ -269,6 +269,36 @@ def test_bench_gpu_smoke_runs_every_step(tmp_path):
     assert (tmp_path / "bench_t.md").read_text().count("| tiny | 2 | 24 |") == 3
 
 
+def test_bench_gpu_smoke_auto_falls_back_to_plain_decoding(tmp_path):
+    """specfx_auto / specfx_auto_oracle on tiny CPU models (specfx_eager): "auto" times a round for
+    K = 0 and each --auto-k-values, keeps HF's tokens, runs plain decoding once the oracle at
+    α = 0 (and the unrelated random draft) has shown it accepts nothing, and speculates every
+    window at α = 1; its ratio to HF static + compile is reported."""
+    import json
+
+    from specfx.bench.tasks.gpu import main
+
+    argv = ["--smoke", "--batches", "2", "--methods", "hf_dynamic,hf_static_compiled,specfx_auto_oracle,specfx_auto",
+            "--auto-k-values", "1,4", "--auto-alphas", "0,1", "--repeats", "1", "--out-dir", str(tmp_path), "--tag", "a"]  # fmt: skip
+    assert main(argv) == 0
+    methods = json.loads((tmp_path / "bench_a.json").read_text())["combos"][0]["methods"]
+    assert all(m["status"] == "ok" and m["same_tokens_as_hf_dynamic"] for m in methods.values())
+    for name in ("specfx_auto_oracle_0", "specfx_auto_oracle_1", "specfx_auto"):
+        auto = methods[name]["spec_stats"]["auto_k"]
+        assert sorted(map(int, auto["round_times_ms"])) == [0, 1, 4]  # (JSON keys are strings)
+        assert methods[name]["speedup_vs_hf_static_compiled"] > 0
+
+    def windows(name):
+        return {int(k): v for k, v in methods[name]["spec_stats"]["auto_k"]["windows_per_k"].items()}
+
+    for name in ("specfx_auto_oracle_0", "specfx_auto"):  # nothing accepted: K = 0 after the evidence
+        assert methods[name]["spec_stats"]["accepted"] == 0
+        assert windows(name).get(0, 0) > sum(windows(name).values()) / 2
+    assert 0 not in windows("specfx_auto_oracle_1")
+    assert methods["specfx_auto_oracle_1"]["spec_stats"]["acceptance_rate"] == 1.0
+    assert "x HF static+compile (" in (tmp_path / "bench_a.md").read_text()
+
+
 def test_peaked_weights_decide_the_greedy_token_by_a_wide_margin():
     """gpu_plan.peak_logits: same shapes and dtypes, nothing zero, and in bf16 the greedy
     token beats the runner-up by far more than rounding (plain random init does not)."""

@@ -40,3 +40,59 @@ def test_unknown_inductor_option_is_a_usage_error():
         parse_args(["--smoke", "--inductor-options", "not_an_inductor_setting=1"])
     args = parse_args(["--smoke", "--inductor-options", "coordinate_descent_tuning=1", "--profile"])
     assert args.inductor_options == {"coordinate_descent_tuning": True} and args.profile
+
+
+# ----------------------------------------------------------------------------- "auto" (issue 30)
+def _plan_args(*extra):
+    return parse_args(["--shapes", "8b-1b", "--batches", "1", "--contexts", "512", "--assume", "graph_s=10",
+                       "--assume", "layer_s=1", *extra])  # fmt: skip
+
+
+def test_auto_rows_and_families():
+    from specfx.bench.tasks.gpu_plan import auto_ks, family, method_rows
+
+    args = _plan_args("--methods", "hf_static_compiled,specfx_oracle,specfx_auto_oracle,specfx_auto",
+                      "--alphas", "1", "--auto-alphas", "0,0.6", "--auto-k-values", "2,4")  # fmt: skip
+    rows = method_rows(args, 1)
+    assert rows == ["hf_static_compiled", "specfx_oracle_1", "specfx_auto_oracle_0", "specfx_auto_oracle_0.6",
+                    "specfx_auto"]  # fmt: skip
+    assert [family(r) for r in rows] == ["hf_static_compiled", "specfx_oracle", "specfx_auto_oracle",
+                                         "specfx_auto_oracle", "specfx_auto"]  # fmt: skip
+    assert auto_ks(args) == (0, 2, 4)
+    assert parse_args(["--smoke"]).auto_k_values == (1, 2, 4, 8)  # the library's default set
+
+
+def test_auto_warm_up_prediction_counts_one_round_graph_per_candidate_k():
+    """8B target (32 layers), 1B draft (16): "auto" compiles K = 0 and every --auto-k-values round
+    (graph_s + layer_s x decoder layers unrolled), the oracle's rounds reading the target only."""
+    from specfx.bench.tasks.gpu_plan import Predictor
+
+    methods = ["--methods", "hf_static_compiled,specfx_auto_oracle,specfx_auto", "--no-overhead"]
+    small = _plan_args(*methods, "--auto-k-values", "4")
+    steps = Predictor(small).steps("8b-1b", 1, 512)
+    assert steps["specfx_auto_oracle_0"][0] == pytest.approx(2 * (10 + 32), abs=1)  # K = 0 and K = 4
+    assert steps["specfx_auto_oracle_0.6"][0] == 0.0  # the same generator: nothing more compiles
+    assert steps["specfx_auto"][0] == pytest.approx((10 + 32) + (10 + 32 + 4 * 16), abs=1)
+    full = Predictor(_plan_args(*methods)).steps("8b-1b", 1, 512)  # K = 0, 1, 2, 4, 8
+    assert full["specfx_auto_oracle_0"][0] == pytest.approx(5 * (10 + 32), abs=1)
+    assert full["specfx_auto"][0] == pytest.approx(5 * (10 + 32) + (1 + 2 + 4 + 8) * 16, abs=2)
+    # the oracle at α = 0.6 is priced at its best K, below plain decoding's α = 0 (K = 0)
+    assert steps["specfx_auto_oracle_0.6"][1] < steps["specfx_auto_oracle_0"][1]
+
+
+def test_auto_combination_has_a_reference_and_no_round_overhead_parts():
+    from specfx.bench.tasks.gpu_plan import Predictor
+
+    args = _plan_args("--methods", "specfx_auto_oracle", "--auto-k-values", "4")
+    p = Predictor(args)
+    steps = p.steps("8b-1b", 1, 512)
+    calls = 1 + args.repeats
+    per_call = steps["specfx_auto_oracle_0"][1] + steps["specfx_auto_oracle_0.6"][1]
+    expected = steps["specfx_auto_oracle_0"][0] + calls * per_call
+    assert p.combo("8b-1b", 1, 512) == pytest.approx(expected + steps["reference"][1])  # no "parts" compile
+
+
+def test_bad_auto_options_are_usage_errors():
+    for bad in (["--auto-k-values", "4,2"], ["--auto-k-values", "0,4"], ["--auto-alphas", "1.5"]):
+        with pytest.raises(SystemExit):
+            parse_args(["--smoke", *bad])

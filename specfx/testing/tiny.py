@@ -14,13 +14,30 @@ import copy
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-__all__ = ["TINY_CONFIGS", "TINY_SIZES", "tiny_config", "tiny_causal_lm", "tiny_pair", "perturbed_copy"]
+__all__ = ["STATEFUL_TINY", "TINY_CONFIGS", "TINY_SIZES", "tiny_config", "tiny_causal_lm", "tiny_pair", "perturbed_copy"]
 
 # Historical per-architecture configs of the core tests (kept so their models do not change).
 TINY_CONFIGS: dict[str, dict] = {
     "llama": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2),
     "qwen2": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2),
     "gpt2": dict(n_embd=64, n_head=4, n_positions=256),
+}
+
+# Targets with recurrent / linear-attention state (decision 76), built small and consistent: one GDN
+# layer beside one attention layer (heads that fit the tiny hidden size); Mamba2's heads x head_dim
+# = 2 x hidden
+STATEFUL_TINY: dict[str, dict] = {
+    **dict.fromkeys(
+        ("qwen3_next", "qwen3_5_text"),
+        dict(
+            layer_types=["linear_attention", "full_attention"],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+        ),
+    ),
+    "mamba2": dict(num_heads=8, head_dim=16, state_size=16, n_groups=1),
 }
 
 # Size fields (under their various names) and the small value each gets when a config has it.

@@ -1,41 +1,42 @@
 """Speculating models with recurrent / linear-attention state (issue 29, decision 76): greedy
 output equal to ``model.generate()`` at batch 1 and on a left-padded batch, with rounds that reject
-(so the state is rolled back every round), eager; what is not supported yet refused at
+(so the state is rolled back every round), eager and compiled; what is not supported yet refused at
 ``speculate()``; the user's model unchanged.
 
 The drafter proposes the reference continuation with every third position wrong, so most rounds
 accept some proposals and reject the rest (a tiny random model never repeats itself enough for
 prompt lookup to accept anything; that case, every proposal rejected, runs too). Without the
 rollback (``ModelRunner.roll_back_state``) every greedy test here fails: the state keeps the
-rejected inputs.
+rejected inputs. Compiled: one round graph per batch bucket, traced with ``specfx_eager`` and lowered
+by Inductor (the default backend; decision 78).
 """
+
+import functools
 
 import pytest
 import torch
 
 import specfx
 from specfx.drafters.base import Drafter
-from specfx.testing.tiny import tiny_causal_lm
-from tests.conftest import left_padded, prompt
+from specfx.testing.tiny import STATEFUL_TINY, tiny_causal_lm
+from tests.conftest import left_padded, prompt, tiered
 
-GDN = dict(
-    layer_types=["linear_attention", "full_attention"],
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-)
-TINY = {"qwen3_next": GDN, "qwen3_5_text": GDN, "mamba2": dict(num_heads=8, head_dim=16, state_size=16, n_groups=1)}
+TINY = STATEFUL_TINY
 K = 4
 
 
-@pytest.fixture(scope="module", params=sorted(TINY))
-def model(request):
-    m = tiny_causal_lm(request.param, **TINY[request.param])
+@functools.cache
+def _model(arch):
+    m = tiny_causal_lm(arch, **TINY[arch])
     m.generation_config.eos_token_id = None  # generate every token asked for
     with torch.no_grad():  # a pad id with a real embedding (as in real checkpoints, not the tiny
         m.get_input_embeddings().weight[0].normal_()  # config's zero row): only the 2-D mask hides padding
     return m
+
+
+@pytest.fixture(scope="module", params=sorted(TINY))
+def model(request):
+    return _model(request.param)
 
 
 class WrongEveryThird(Drafter):
@@ -129,22 +130,41 @@ def test_refused_as_a_draft_model(model):
         specfx.speculate(target, draft=model, compile=False)
 
 
-@torch.no_grad()
-def test_compiled_round_is_one_graph_and_equals_generate(model, one_thread):
-    """The round traced as one graph (``specfx_eager``): the mixer hooks are attached around the
-    compiled calls, not traced; two left-padded batches of the same bucket run one graph."""
+def _compiled_check(model, backend):
+    """Batch 1, then two left-padded batches of one bucket, each equal to ``generate()`` with rounds
+    that accept some proposals and reject the rest; one round graph per batch bucket, and the second
+    batch of the bucket compiles nothing (``error_on_recompile``)."""
     drafter = WrongEveryThird(torch.zeros((4, 64), dtype=torch.long), model.config.vocab_size)
-    spec = specfx.speculate(model, draft=drafter, num_speculative_tokens=K, backend="specfx_eager")
-    for (ids, mask), new in ((left_padded(10, [3, 0, 6], seed=2), 16), (left_padded(12, [2, 0, 5], seed=4), 14)):
+    spec = specfx.speculate(model, draft=drafter, num_speculative_tokens=K, backend=backend)
+    cases = (((prompt(9, seed=1), None), 20), (left_padded(10, [3, 0, 6], seed=2), 16), (left_padded(12, [2, 0, 5], seed=4), 14))
+    for i, ((ids, mask), new) in enumerate(cases):
         expected = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
         table = _table(expected, mask)
         drafter.table.zero_()
         drafter.table[: table.shape[0], : table.shape[1]] = table  # in place: the graph's input
-        got = spec.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
-        assert torch.equal(got, expected)
+        with torch._dynamo.config.patch(error_on_recompile=i == 2):
+            got = spec.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+        assert torch.equal(got, expected), f"case {i}: rows differing: {(got != expected).any(1).nonzero().flatten().tolist()}"
         assert 0 < spec.stats.accepted < spec.stats.proposed
-    assert len(spec.graphs) == 1, f"{len(spec.graphs)} graphs"
+    assert len(spec.graphs) == 2, f"{len(spec.graphs)} graphs"  # batch 1 and the bucket of 4
+    assert {g.compiler for g in spec.graphs} == {"inductor" if backend == "specfx" else "eager"}
     assert all(not m._forward_pre_hooks for m in model.modules())
+
+
+@torch.no_grad()
+def test_compiled_round_is_one_graph_and_equals_generate(model, one_thread):
+    """The round traced as one graph (``specfx_eager``): the mixer hooks are attached around the
+    compiled calls, not traced."""
+    _compiled_check(model, "specfx_eager")
+
+
+@pytest.mark.compiled
+@pytest.mark.parametrize("arch", tiered(sorted(TINY), ["mamba2", "qwen3_next"]))
+@torch.no_grad()
+def test_inductor_round_is_one_graph_and_equals_generate(arch, one_thread):
+    """The same with the default backend (Inductor, decision 78): the state buffers, the snapshot and
+    the mixer steps' in-place writes compile into the round graph like the KV writes."""
+    _compiled_check(_model(arch), "specfx")
 
 
 @torch.no_grad()
@@ -157,7 +177,7 @@ def test_returning_the_cache_is_refused(model, one_thread):
 @pytest.mark.parametrize(
     ("options", "match"),
     [
-        (dict(compile=True), r"backend='specfx_eager' only.*Pass compile=False or backend='specfx_eager'"),
+        (dict(compile=True, background_compile=True), r"traced in the background.*Leave background_compile unset"),
         (dict(compile=False, tree=specfx.TokenTree([(0,), (1,), (0, 0)])), r"chain only.*no tree="),
         (dict(compile=False, draft="early_exit:1"), r"runs the target's layers"),
     ],

@@ -208,8 +208,9 @@ def check_depth(config: SpecConfig, tree, drafter) -> None:
 
 def check_stateful(runner, drafter, config) -> None:
     """ValueError for what a target with recurrent or linear-attention state cannot run yet
-    (decision 76: eager chain rounds, with a drafter that does not run the target's layers; trees
-    and hidden-state taps are refused by the runner's own tree and taps refusals)."""
+    (decisions 76 and 78: chain rounds, eager or compiled in the foreground, with a drafter that does
+    not run the target's layers; trees and hidden-state taps are refused by the runner's own tree and
+    taps refusals)."""
     who = f"{runner.role} ({type(runner.model).__name__}) keeps recurrent or linear-attention state"
     if drafter.runs_target_layers:
         raise ValueError(
@@ -217,8 +218,9 @@ def check_stateful(runner, drafter, config) -> None:
             f"runs the target's layers, which would advance that state. Use a draft model or "
             f"draft='prompt_lookup'."
         )
-    if config.compile and config.backend != "specfx_eager":
+    if config.compile and config.background_compile:
         raise ValueError(
-            f"{who}; its compiled round is verified with backend='specfx_eager' only for now (Inductor "
-            f"not yet). Pass compile=False or backend='specfx_eager' to speculate()."
+            f"{who}, recorded during a compiled round by hooks attached only while generate() runs: "
+            f"a round graph traced in the background could miss them. Leave background_compile unset "
+            f"(compiled in the foreground) or pass compile=False to speculate()."
         )

@@ -26,14 +26,16 @@ from specfx.model.hf_names import cache_kwarg
 from specfx.model.probe import (
     compare,
     compare_rows,
+    compare_states,
     full_logits,
+    full_states,
     incremental_logits,
     not_causal,
     probe_capacity,
     probe_tokens,
     tree_logits,
 )
-from specfx.model.recurrent import keeps_state
+from specfx.model.recurrent import StateSnapshot, keeps_state
 
 __all__ = [
     "check_causal_lm",
@@ -189,9 +191,15 @@ def _probe(runner, seq: torch.Tensor, full: torch.Tensor, capacity: int):
     try:
         with torch.no_grad(), runner.scratch_cache(2, capacity):
             got = incremental_logits(runner, seq)
+            states = ref = None
+            if runner.stateful:  # the live state at the end (a new snapshot of it) against the model's own
+                states = [t for _, _, t in StateSnapshot(runner.cache).tensors]
+                name = cache_kwarg(runner.model.forward) or state_cache_kwarg(runner.model)
+                ref = full_states(runner.model, seq, name)
     except Exception as e:  # reported by the caller, which names the model
         return e
-    return compare(got, full, runner.dtype)
+    found = compare(got, full, runner.dtype)
+    return found if found is not None or states is None else compare_states(states, ref, runner.dtype)
 
 
 def _when(runner, capacity: int) -> str:

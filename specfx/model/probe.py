@@ -14,7 +14,10 @@ the way the generator runs it:
   attention chunks, GPT-Neo's ``window_size``...), the small chunks straddling the largest;
 * as a batch of two rows, the second left-padded (padding at position 0 and the trash slot);
 * a prefill chunk, then verify-like chunks of 1..5 tokens whose rejected proposals leave
-  stale keys in later slots that the next chunk overwrites (:data:`TAIL`).
+  stale keys in later slots that the next chunk overwrites (:data:`TAIL`);
+* for a model with recurrent state, the same chunks each rolled back to its accepted inputs, one
+  of them rejected entirely (:data:`STATE_TAIL`), and the state at the end compared with the
+  model's own state after its full forward (:func:`compare_states`).
 
 The comparison is strict (:func:`compare`): every logit within a dtype-aware tolerance and
 the same argmax at every position (up to near-ties within that tolerance).
@@ -30,10 +33,13 @@ import torch
 __all__ = [
     "PROBE_MIN_CAPACITY",
     "REL_TOL",
+    "STATE_TAIL",
     "TAIL",
     "attention_spans",
     "compare",
+    "compare_states",
     "full_logits",
+    "full_states",
     "incremental_logits",
     "not_causal",
     "probe_capacity",
@@ -51,6 +57,9 @@ PROBE_MIN_CAPACITY = 256
 # overwrites them, as after a partly rejected round. 12 accepted tokens in all.
 TAIL = ((1, 1), (4, 2), (3, 3), (5, 1), (2, 2), (3, 3))
 TAIL_TOKENS = sum(a for _, a in TAIL)
+# A model with recurrent state (decision 76) also gets a chunk whose every input is rejected
+# (n = 0: its state must come back to the snapshot alone), before the last chunk, which reads it.
+STATE_TAIL = TAIL[:-1] + ((3, 0),) + TAIL[-1:]
 MIN_PROBE_TOKENS = 40  # crosses the tiny configs' windows of 8 several times
 PAD = 3  # left padding of the probe's second row
 
@@ -141,11 +150,12 @@ def incremental_logits(runner, seq: torch.Tensor) -> torch.Tensor:
     out = runner.forward(ids, pos.clamp_min(0), torch.where(real, pos, trash))
     rows = [[out[0]], [out[1, PAD:]]]
     start = prefill
-    for size, accepted in TAIL:
+    stateful = getattr(runner, "stateful", False)
+    for size, accepted in STATE_TAIL if stateful else TAIL:
         col = torch.arange(size, device=seq.device)
         pos = start + col - offset  # [2, size]
         ids = torch.where(col < accepted, seq[pos], (seq[pos] + 1) % vocab)  # rejected: other tokens
-        if getattr(runner, "stateful", False):  # recurrent state: rolled back to the accepted inputs
+        if stateful:  # recurrent state: rolled back to the accepted inputs
             out = runner.verify_recording(ids, pos, pos)
             runner.roll_back_state(torch.full((2,), accepted, device=seq.device), size)
         else:
@@ -154,6 +164,39 @@ def incremental_logits(runner, seq: torch.Tensor) -> torch.Tensor:
             rows[r].append(out[r, :accepted])
         start += accepted
     return torch.cat([torch.cat(r) for r in rows]).float()
+
+
+def full_states(model, seq: torch.Tensor, cache_name: str) -> list[torch.Tensor]:
+    """The model's own state after its full forward over ``seq [L]`` (row 0 of the probe) and over
+    ``seq[:L - PAD]`` (row 1's real tokens): every conv and recurrent tensor of its stateful
+    layers, in :class:`~specfx.model.recurrent.StateSnapshot`'s order, each ``[2, ...]``."""
+    from specfx.model.recurrent import StateSnapshot
+
+    rows = []
+    for part in (seq, seq[: seq.numel() - PAD]):
+        pos = torch.arange(part.numel(), device=seq.device).unsqueeze(0)
+        out = model(input_ids=part.unsqueeze(0), position_ids=pos, use_cache=True)
+        rows.append([t for _, _, t in StateSnapshot(getattr(out, cache_name)).tensors])
+    return [torch.cat(pair) for pair in zip(*rows, strict=True)]
+
+
+def compare_states(got: list[torch.Tensor], ref: list[torch.Tensor], dtype: torch.dtype) -> str | None:
+    """None if every state tensor ``got`` (specfx's, after :func:`incremental_logits`) is within
+    ``REL_TOL[dtype]`` of the largest ``|ref|`` of its tensor (:func:`full_states`), row by row;
+    else what differs. Logits see the last chunk's rollback only through later positions, of which
+    the probe has none: the state itself is compared."""
+    if len(got) != len(ref):
+        return f"{len(got)} state tensors where the model's own cache has {len(ref)}"
+    for i, (g, r) in enumerate(zip(got, ref, strict=True)):
+        tol = REL_TOL.get(dtype, 8 * torch.finfo(dtype).eps) * float(r.abs().amax().clamp_min(1e-6))
+        diff = (g.float() - r.float()).abs().flatten(1).amax(dim=1)  # [2]
+        if not bool((diff <= tol).all()):
+            row = int(torch.nan_to_num(diff, nan=float("inf")).argmax())
+            return (
+                f"state tensor {i} (of {len(ref)}) after the verify-like chunks differs from the model's own state "
+                f"by {float(diff[row]):.3g} in row {row} (tolerance {tol:.3g} for {dtype})"
+            )
+    return None
 
 
 # The tree probe's nodes after the pending token (seq[P]): a decoy first child, then the true

@@ -36,6 +36,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
 from specfx.model.cache import SlotCache, SlotLayer
+from specfx.model.dynamo import mark_static
 from specfx.model.masks import attention_mask_keys, cache_layer_classes, state_only_layer_types
 
 __all__ = [
@@ -70,6 +71,7 @@ class StateLayer(LinearAttentionLayer):
             ):
                 if ready[i]:
                     states[i].zero_()
+                    mark_static(states[i])  # written in place by every round, like the KV buffers
             self.has_previous_state[i] = True
 
 
@@ -164,6 +166,7 @@ class StateSnapshot:
                 for idx, t in states.items():
                     if t is not None:
                         self.tensors.append((states, idx, t.clone()))
+        mark_static(*(saved for _, _, saved in self.tensors))  # taken in place every round
 
     def take(self) -> None:
         """Copy the live states into the snapshot, in place (a round's first step: the snapshot's

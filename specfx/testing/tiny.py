@@ -14,7 +14,7 @@ import copy
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-__all__ = ["TINY_CONFIGS", "TINY_SIZES", "tiny_config", "tiny_causal_lm", "tiny_pair", "perturbed_copy"]
+__all__ = ["STATEFUL_TINY", "TINY_CONFIGS", "TINY_SIZES", "tiny_config", "tiny_causal_lm", "tiny_pair", "perturbed_copy"]
 
 # Historical per-architecture configs of the core tests (kept so their models do not change).
 TINY_CONFIGS: dict[str, dict] = {
@@ -22,6 +22,19 @@ TINY_CONFIGS: dict[str, dict] = {
     "qwen2": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2),
     "gpt2": dict(n_embd=64, n_head=4, n_positions=256),
 }
+
+# Targets with recurrent / linear-attention state (decisions 76, 79), built small and consistent:
+# each supported state row's tiny config from the architecture table (one state layer beside one
+# attention layer, heads that fit the tiny hidden size), and LFM2's hybrid configs (a supported
+# type whose short-conv layers keep state only where a config has them)
+def _stateful_tiny() -> dict[str, dict]:
+    from specfx.model.architectures import ARCHITECTURES
+
+    rows = {name: dict(spec.overrides) for name, spec in ARCHITECTURES.items() if spec.stateful and spec.status == "supported"}
+    return {**rows, "lfm2": dict(layer_types=["conv", "full_attention"])}
+
+
+STATEFUL_TINY: dict[str, dict] = _stateful_tiny()
 
 # Size fields (under their various names) and the small value each gets when a config has it.
 # The sliding window is small so generation runs past it; the large initializer range spreads

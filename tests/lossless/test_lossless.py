@@ -28,7 +28,7 @@ import specfx
 from specfx.drafters.base import Drafter, TreeDrafting
 from specfx.engine import tree_round
 from specfx.sampling.rng import sample_from
-from specfx.testing.tiny import perturbed_copy, tiny_causal_lm
+from specfx.testing.tiny import STATEFUL_TINY, perturbed_copy, tiny_causal_lm
 from tests.conftest import tiered
 
 V = 6
@@ -263,3 +263,52 @@ def test_dflash_sampling_matches_exact_distribution(case):
     assert 0.05 < spec.stats.acceptance_rate < 0.95
     assert spec.stats.per_position[1] > 0  # the second proposal of a block was accepted too
     assert _chisquare(out[:, len(prompt) :].tolist(), probs) > 1e-3
+
+
+# --------------------------------------------------------------------------- recurrent state
+STATE_OPTIONS = dict(num_speculative_tokens=3, compile=False, min_capacity=16, prefill_buckets=(4,))
+
+
+def _stateful_samples(arch, kwargs, keep_every_input=False):
+    """Speculative samples of the first NEW tokens after ``[1, 4, 2]`` from a tiny ``arch`` target
+    with recurrent state (decision 76), drafted by a random attention-only model (rounds accept 0..3
+    proposals, so the state is rolled back to each row's own n every round), and the generator's
+    stats. ``keep_every_input``: the rollback replaced by one that keeps all K+1 verified inputs in
+    the state (what a round without rollback does), after ``speculate()``'s probe has admitted it."""
+    target = tiny_causal_lm(arch, vocab_size=V, eos_token_id=None, initializer_range=0.12, seed=3, **_STATEFUL[arch])
+    target.generation_config.eos_token_id = None
+    draft = tiny_causal_lm("llama", vocab_size=V, eos_token_id=None, initializer_range=0.12, seed=4)
+    spec = specfx.speculate(target, draft=draft, **STATE_OPTIONS)
+    if keep_every_input:
+        real = spec.target_runner.roll_back_state
+        spec.target_runner.roll_back_state = lambda n, tokens: real(torch.full_like(n, tokens), tokens)
+    torch.manual_seed(1234)
+    out = spec.generate(torch.tensor([[1, 4, 2]]).repeat(ROWS, 1), do_sample=True, max_new_tokens=NEW, pad_token_id=0, **kwargs)
+    return target, out[:, 3:].tolist(), spec.stats
+
+
+# one GDN hybrid (a gated-delta-net layer beside an attention layer) and Mamba2 (state only; its
+# torch scan pads every forward to a whole chunk: 8, not 256, keeps 6000 rows fast)
+_STATEFUL = {"qwen3_next": STATEFUL_TINY["qwen3_next"], "mamba2": dict(STATEFUL_TINY["mamba2"], chunk_size=8)}
+
+
+@pytest.mark.parametrize("case", tiered(sorted(CASES), ["plain"]))
+@pytest.mark.parametrize("arch", sorted(_STATEFUL))
+def test_stateful_target_sampling_matches_exact_distribution(arch, case):
+    """Rejection sampling against a target whose recurrent state is rolled back every round: the
+    samples follow the target's exact distribution (its full forward over each sequence)."""
+    kwargs, warpers = CASES[case]
+    target, samples, stats = _stateful_samples(arch, kwargs)
+    probs = _exact(target, [1, 4, 2], warpers)
+    assert 0.05 < stats.acceptance_rate < 0.95
+    assert stats.per_position[2] > 0  # some rounds accepted all three: every n occurs
+    assert _chisquare(samples, probs) > 1e-3
+
+
+@pytest.mark.full
+def test_negative_control_state_not_rolled_back():
+    """The stateful test has power: with the state keeping every verified input (the rejected
+    proposals too), the same samples fail the chi-square by far."""
+    target, samples, stats = _stateful_samples("qwen3_next", {}, keep_every_input=True)
+    assert stats.acceptance_rate < 0.95  # rejected proposals went into the state
+    assert _chisquare(samples, _exact(target, [1, 4, 2], LogitsProcessorList())) < 1e-6

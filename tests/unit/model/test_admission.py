@@ -7,12 +7,13 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import specfx
+from specfx.model.admission import check_incremental
 from specfx.model.cache import SlotCache
 from specfx.model.hf_names import cache_kwarg
 from specfx.model.masks import MaskPlan
-from specfx.model.probe import REL_TOL, attention_spans, compare, probe_length
+from specfx.model.probe import REL_TOL, STATE_TAIL, attention_spans, compare, probe_length
 from specfx.model.runner import ModelRunner
-from specfx.testing.tiny import perturbed_copy, tiny_causal_lm
+from specfx.testing.tiny import STATEFUL_TINY, perturbed_copy, tiny_causal_lm
 from tests.conftest import prompt
 
 REFUSED = r"does not decode incrementally like its full forward"
@@ -153,3 +154,22 @@ def test_compare_near_tie_may_flip_but_errors_may_not():
     nan = got.clone()
     nan[4, 0] = float("nan")
     assert "position 0 of row 1" in compare(nan, ref, torch.float32)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "mamba2"])
+def test_probe_compares_the_recurrent_state_itself(arch, one_thread):
+    """A model with recurrent state passes the probe through its rollback (chunks rolled back to
+    their accepted inputs, one rejected entirely). A rollback that undoes the last chunk, which no
+    later logit reads, is still refused: the state at the end is compared with the model's own."""
+    runner = ModelRunner(tiny_causal_lm(arch, **STATEFUL_TINY[arch]), "target")
+    assert runner.probed_capacity > 0  # admitted
+    real, calls = runner.roll_back_state, []
+
+    def last_chunk_undone(n, tokens):
+        calls.append(tokens)
+        real(n * 0 if len(calls) == len(STATE_TAIL) else n, tokens)
+
+    runner.roll_back_state = last_chunk_undone
+    with pytest.raises(ValueError, match=REFUSED + r".*state tensor \d+ .*differs from the model's own state"):
+        check_incremental(runner, runner.probed_capacity)
+    assert len(calls) == len(STATE_TAIL)

@@ -1,14 +1,17 @@
 """Speculating models with recurrent / linear-attention state (issue 29, decision 76): greedy
 output equal to ``model.generate()`` at batch 1 and on a left-padded batch, with rounds that reject
-(so the state is rolled back every round), eager; what is not supported yet refused at
+(so the state is rolled back every round), eager and compiled; what is not supported yet refused at
 ``speculate()``; the user's model unchanged.
 
 The drafter proposes the reference continuation with every third position wrong, so most rounds
 accept some proposals and reject the rest (a tiny random model never repeats itself enough for
 prompt lookup to accept anything; that case, every proposal rejected, runs too). Without the
 rollback (``ModelRunner.roll_back_state``) every greedy test here fails: the state keeps the
-rejected inputs.
+rejected inputs. Compiled: one round graph per batch bucket, traced with ``specfx_eager`` and lowered
+by Inductor (the default backend; decision 78).
 """
+
+import functools
 
 import pytest
 import torch
@@ -17,13 +20,11 @@ import transformers
 import specfx
 from specfx.drafters.base import Drafter
 from specfx.model.architectures import ARCHITECTURES, installed
-from specfx.testing.tiny import tiny_causal_lm
+from specfx.testing.tiny import STATEFUL_TINY, tiny_causal_lm
 from tests.conftest import left_padded, prompt
 
-# Every state row of the architecture table (its tiny config from the row), and LFM2's hybrid configs
-# (a supported type whose short-conv layers keep state only where a config has them)
-TINY = {name: spec.overrides for name, spec in ARCHITECTURES.items() if spec.stateful and spec.status == "supported"}
-TINY["lfm2"] = dict(layer_types=["conv", "full_attention"])
+# Every state row of the architecture table (its tiny config from the row) and LFM2's hybrid configs
+TINY = STATEFUL_TINY
 K = 4
 
 
@@ -32,25 +33,30 @@ K = 4
 DEFAULT_TIER = {"qwen3_next", "kimi_linear", "mamba2", "falcon_h1", "lfm2"}
 
 
-def _param(name: str, tiered: bool = True):
+def _param(name: str, default=DEFAULT_TIER):
     """A type the installed transformers does not ship is skipped, saying so (bailing_hybrid, lara_mini and
-    lfm3 are new in 5.24): a missing type, never a failing one. ``tiered``: types outside
-    ``DEFAULT_TIER`` are marked ``full``."""
+    lfm3 are new in 5.24): a missing type, never a failing one. Types outside ``default`` (None: none)
+    are marked ``full``."""
     missing = not installed(name)
     reason = f"model type {name!r} is not in transformers {transformers.__version__}"
     marks = [pytest.mark.skipif(missing, reason=reason)]
-    if tiered and name not in DEFAULT_TIER:
+    if default is not None and name not in default:
         marks.append(pytest.mark.full)
     return pytest.param(name, marks=marks)
 
 
-@pytest.fixture(scope="module", params=[_param(name) for name in sorted(TINY)])
-def model(request):
-    m = tiny_causal_lm(request.param, **TINY[request.param])
+@functools.cache
+def _model(arch):
+    m = tiny_causal_lm(arch, **TINY[arch])
     m.generation_config.eos_token_id = None  # generate every token asked for
     with torch.no_grad():  # a pad id with a real embedding (as in real checkpoints, not the tiny
         m.get_input_embeddings().weight[0].normal_()  # config's zero row): only the 2-D mask hides padding
     return m
+
+
+@pytest.fixture(scope="module", params=[_param(name) for name in sorted(TINY)])
+def model(request):
+    return _model(request.param)
 
 
 class WrongEveryThird(Drafter):
@@ -144,22 +150,41 @@ def test_refused_as_a_draft_model(model):
         specfx.speculate(target, draft=model, compile=False)
 
 
-@torch.no_grad()
-def test_compiled_round_is_one_graph_and_equals_generate(model, one_thread):
-    """The round traced as one graph (``specfx_eager``): the mixer hooks are attached around the
-    compiled calls, not traced; two left-padded batches of the same bucket run one graph."""
+def _compiled_check(model, backend):
+    """Batch 1, then two left-padded batches of one bucket, each equal to ``generate()`` with rounds
+    that accept some proposals and reject the rest; one round graph per batch bucket, and the second
+    batch of the bucket compiles nothing (``error_on_recompile``)."""
     drafter = WrongEveryThird(torch.zeros((4, 64), dtype=torch.long), model.config.vocab_size)
-    spec = specfx.speculate(model, draft=drafter, num_speculative_tokens=K, backend="specfx_eager")
-    for (ids, mask), new in ((left_padded(10, [3, 0, 6], seed=2), 16), (left_padded(12, [2, 0, 5], seed=4), 14)):
+    spec = specfx.speculate(model, draft=drafter, num_speculative_tokens=K, backend=backend)
+    cases = (((prompt(9, seed=1), None), 20), (left_padded(10, [3, 0, 6], seed=2), 16), (left_padded(12, [2, 0, 5], seed=4), 14))
+    for i, ((ids, mask), new) in enumerate(cases):
         expected = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
         table = _table(expected, mask)
         drafter.table.zero_()
         drafter.table[: table.shape[0], : table.shape[1]] = table  # in place: the graph's input
-        got = spec.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
-        assert torch.equal(got, expected)
+        with torch._dynamo.config.patch(error_on_recompile=i == 2):
+            got = spec.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+        assert torch.equal(got, expected), f"case {i}: rows differing: {(got != expected).any(1).nonzero().flatten().tolist()}"
         assert 0 < spec.stats.accepted < spec.stats.proposed
-    assert len(spec.graphs) == 1, f"{len(spec.graphs)} graphs"
+    assert len(spec.graphs) == 2, f"{len(spec.graphs)} graphs"  # batch 1 and the bucket of 4
+    assert {g.compiler for g in spec.graphs} == {"inductor" if backend == "specfx" else "eager"}
     assert all(not m._forward_pre_hooks for m in model.modules())
+
+
+@torch.no_grad()
+def test_compiled_round_is_one_graph_and_equals_generate(model, one_thread):
+    """The round traced as one graph (``specfx_eager``): the mixer hooks are attached around the
+    compiled calls, not traced."""
+    _compiled_check(model, "specfx_eager")
+
+
+@pytest.mark.compiled
+@pytest.mark.parametrize("arch", [_param(name, default={"mamba2", "qwen3_next"}) for name in sorted(TINY)])
+@torch.no_grad()
+def test_inductor_round_is_one_graph_and_equals_generate(arch, one_thread):
+    """The same with the default backend (Inductor, decision 78): the state buffers, the snapshot and
+    the mixer steps' in-place writes compile into the round graph like the KV writes."""
+    _compiled_check(_model(arch), "specfx")
 
 
 @torch.no_grad()
@@ -172,7 +197,7 @@ def test_returning_the_cache_is_refused(model, one_thread):
 @pytest.mark.parametrize(
     ("options", "match"),
     [
-        (dict(compile=True), r"backend='specfx_eager' only.*Pass compile=False or backend='specfx_eager'"),
+        (dict(compile=True, background_compile=True), r"traced in the background.*Leave background_compile unset"),
         (dict(compile=False, tree=specfx.TokenTree([(0,), (1,), (0, 0)])), r"chain only.*no tree="),
         (dict(compile=False, draft="early_exit:1"), r"runs the target's layers"),
     ],
@@ -195,7 +220,7 @@ REASONS = {
 }
 
 
-@pytest.mark.parametrize("name", [_param(name, tiered=False) for name in REFUSED])
+@pytest.mark.parametrize("name", [_param(name, default=None) for name in REFUSED])
 @pytest.mark.parametrize("role", ["target", "draft"])
 def test_types_that_cannot_run_exactly_are_refused_with_the_reason(name, role):
     m = tiny_causal_lm(name, **ARCHITECTURES[name].overrides)

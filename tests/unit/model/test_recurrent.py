@@ -8,19 +8,10 @@ from transformers.cache_utils import DynamicCache
 
 from specfx.model.hf_names import cache_kwarg
 from specfx.model.recurrent import MixerTaps, StateSnapshot, conv_state_after, stateful_layers
-from specfx.testing.tiny import tiny_causal_lm
+from specfx.testing.tiny import STATEFUL_TINY, tiny_causal_lm
 
 K = 4
-TINY = {
-    "qwen3_next": dict(
-        layer_types=["linear_attention", "full_attention"],
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-    ),
-    "mamba2": dict(num_heads=8, head_dim=16, state_size=16, n_groups=1),
-}
+TINY = {arch: STATEFUL_TINY[arch] for arch in ("qwen3_next", "mamba2")}
 MIXERS = {"qwen3_next": "Qwen3NextGatedDeltaNet", "mamba2": "Mamba2Mixer"}
 
 

@@ -310,7 +310,9 @@ def round_step(target, drafter, state: RoundState, shape: RoundShape, vocab: int
     else:
         verified = target.forward(ids, pos, pos, taps=taps)
     logits, features = verified if taps else (verified, None)
-    scores = ctx.process(logits, 0, list(proposals.split(1, dim=1)))
+    # no split of a zero-width tensor at K = 0: torch 2.11's fake tensors raise IndexError on it
+    # (GPU run 6, CUDA); 2.13 returns one empty chunk. Either way nothing was drafted.
+    scores = ctx.process(logits, 0, list(proposals.split(1, dim=1)) if k > 0 else [])
     if sample:
         p = scores.softmax(dim=-1)
         b = proposals.shape[0]

@@ -181,6 +181,22 @@ def evaluate(cfg: TrainConfig, model, head_dir: Path, kind: str, held) -> dict:
 
 
 # ----------------------------------------------------------------------------- training
+def _same_files(saved, given):
+    """``(saved, given)`` data lists, with ``saved`` replaced by ``given`` where each pair of
+    entries names one existing file (``os.path.samefile``), so that a resume from another
+    working directory, or with absolute paths, is not refused as different data."""
+    import os
+
+    if not isinstance(saved, list) or len(saved) != len(given):
+        return saved, given
+    try:
+        if all(os.path.samefile(a, b) for a, b in zip(saved, given, strict=True)):
+            return list(given), given
+    except OSError:  # a file is missing: compare the names as given
+        pass
+    return saved, given
+
+
 def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
     """Train (or, with ``resume``, continue) a head into ``cfg.out``; returns the summary
     written to ``OUT/eval.json``."""
@@ -201,6 +217,8 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
             )
         fixed = {k: v for k, v in json.loads(cfg_path.read_text()).items() if k not in FREE}
         mine = {k: v for k, v in asdict(cfg).items() if k not in FREE}
+        # the same data files named from another directory (relative against absolute) are the same run
+        fixed["data"], mine["data"] = _same_files(fixed.get("data"), mine["data"])
         if fixed != mine:
             diff = sorted(k for k in mine if fixed.get(k) != mine[k])
             raise ValueError(f"--resume: {', '.join(diff)} differ from the run in {str(out)!r}; pass the same options.")

@@ -117,6 +117,21 @@ def test_train_refuses_bad_arguments(one_thread, tiny_dir, corpus, tmp_path, cap
     assert "seed" in capsys.readouterr().err
 
 
+def test_resume_accepts_the_same_data_named_otherwise(one_thread, tiny_dir, corpus, tmp_path, monkeypatch, capsys):
+    """A run started with its data named relatively resumes with the same files named
+    absolutely (the SmolLM2 recipe changed so between sessions); other data is refused."""
+    common = ("--steps", "2", "--eval-prompts", "0", "--ckpt-every", "1")
+    out = tmp_path / "run"
+    monkeypatch.chdir(corpus.parent)
+    assert main(args(tiny_dir, "eagle", Path(corpus.name), out, "--stop-after", "1", *common)) == 0
+    assert main(args(tiny_dir, "eagle", corpus.resolve(), out, "--resume", *common)) == 0
+    assert json.loads((out / "ckpt" / "meta.json").read_text())["step"] == 2
+    other = tmp_path / "other"
+    shutil.copytree(corpus, other)
+    assert main(args(tiny_dir, "eagle", other, out, "--steps", "3", "--eval-prompts", "0", "--resume")) == 2
+    assert "data differ" in capsys.readouterr().err
+
+
 def test_narrow_eagle3_head_trains_saves_and_drafts(one_thread, tiny_dir, corpus, tmp_path, capsys):
     """--intermediate-size / --num-attention-heads / --num-key-value-heads give an EAGLE-3 head a
     narrower decoder layer than the target's: fewer parameters, written to config.json (the

@@ -20,26 +20,15 @@ LOG="$OUT/log.txt"
   python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
 } >>"$LOG" 2>&1
 
-step() {  # step TAG MIN_SECONDS MAX_SECONDS ARGS...
-  local tag=$1 need=$2 cap=$3
-  shift 3
-  local left=$(( DEADLINE - $(date +%s) ))
-  (( left > cap )) && left=$cap
-  if (( left < need )); then
-    echo "=== $tag: skipped, ${left}s left (needs ${need}s)" | tee -a "$LOG"
-    return
-  fi
-  echo "=== $tag: $(date +%T), ${left}s left" | tee -a "$LOG"
-  timeout $(( left + 5 )) python3 -m specfx.cli bench gpu --shapes 8b-1b --batches 1 --contexts 512 \
-    --budget-s $(( left - 25 )) --out-dir /tmp/r4 --tag "r4_$tag" "$@" 2>&1 | tee -a "$LOG" | grep -v "^USDT"
-  cp /tmp/r4/bench_r4_"$tag".json "$OUT"/ 2>/dev/null
-}
+RUN=r4
+source "$(dirname "$0")/gpu_step.sh"
 
-step default 120 170 --assume layer_s=0.6 --methods hf_dynamic,hf_static_compiled,specfx_oracle --alphas 1,0.6 --profile --no-overhead
-step cdt 150 230 --assume layer_s=1.2 --methods hf_dynamic,hf_static_compiled,specfx_oracle --alphas 1,0.6 --profile \
+B1=(--shapes 8b-1b --batches 1 --contexts 512)  # every step of run 4
+step default 120 170 "${B1[@]}" --assume layer_s=0.6 --methods hf_dynamic,hf_static_compiled,specfx_oracle --alphas 1,0.6 --profile --no-overhead
+step cdt 150 230 "${B1[@]}" --assume layer_s=1.2 --methods hf_dynamic,hf_static_compiled,specfx_oracle --alphas 1,0.6 --profile \
   --inductor-options coordinate_descent_tuning=1
-step freeze 110 150 --assume layer_s=1.2 --methods hf_dynamic,specfx_oracle --alphas 1 --repeats 2 \
+step freeze 110 150 "${B1[@]}" --assume layer_s=1.2 --methods hf_dynamic,specfx_oracle --alphas 1 --repeats 2 \
   --inductor-options freezing=1,coordinate_descent_tuning=1
-step autotune 120 600 --assume layer_s=2 --methods hf_dynamic,specfx_oracle --alphas 1 --repeats 2 --no-overhead \
+step autotune 120 600 "${B1[@]}" --assume layer_s=2 --methods hf_dynamic,specfx_oracle --alphas 1 --repeats 2 --no-overhead \
   --inductor-options max_autotune=1,coordinate_descent_tuning=1
 echo "=== done $(date +%T)" | tee -a "$LOG"

@@ -16,20 +16,8 @@ export PYTHONUNBUFFERED=1
 LOG="$OUT/log.txt"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv >>"$LOG" 2>&1
 
-step() {  # step TAG MIN_SECONDS MAX_SECONDS ARGS...
-  local tag=$1 need=$2 cap=$3
-  shift 3
-  local left=$(( DEADLINE - $(date +%s) ))
-  (( left > cap )) && left=$cap
-  if (( left < need )); then
-    echo "=== $tag: skipped, ${left}s left (needs ${need}s)" | tee -a "$LOG"
-    return
-  fi
-  echo "=== $tag: $(date +%T), ${left}s left" | tee -a "$LOG"
-  timeout $(( left + 5 )) python3 -m specfx.cli bench gpu --budget-s $(( left - 25 )) --out-dir /tmp/r5 \
-    --tag "r5_$tag" "$@" 2>&1 | tee -a "$LOG" | grep -v "^USDT"
-  cp /tmp/r5/bench_r5_"$tag".json "$OUT"/ 2>/dev/null
-}
+RUN=r5
+source "$(dirname "$0")/gpu_step.sh"
 
 # calibrated on run 4 (H200): HF's decode-step compile 30 s, the 8B oracle round 28 s
 step b4-16 150 200 --assume layer_s=0.6 --shapes 8b-1b --batches 4,16 --contexts 512 \

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 30, GPU run 6 (prepared 2026-11-26, not run yet): one `run` call of ~9.5 minutes,
+# Issue 30, GPU run 6 (ran 2026-11-26 on an H100: docs/BENCHMARKS.md "GPU run 6"): one `run` call of ~9.5 minutes,
 #   run(command="bash benchmarks/gpu_run6.sh", timeout_s=600)     (no carry: the tree is enough)
 # or, sharing a session with benchmarks/gpu_train6.sh (run that first), R6_SECONDS=<what is left
 # minus ~60 s> in front. Steps by value, each a separate `specfx bench gpu` process given what is
@@ -28,38 +28,9 @@ LOG="$OUT/log.txt"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv >>"$LOG" 2>&1
 PY=${PY:-python3}
 
-step() {  # step TAG MIN_SECONDS MAX_SECONDS ARGS...
-  local tag=$1 need=$2 cap=$3
-  shift 3
-  if [[ -n "${R6_DRY:-}" ]]; then
-    echo "=== $tag (dry run)" | tee -a "$LOG"
-    "$PY" -m specfx.cli bench gpu --dry-run --budget-s $(( cap - 25 )) "$@" 2>&1 | tee -a "$LOG"
-    return
-  fi
-  if [[ -n "${R6_SMOKE:-}" ]]; then  # the same flags on tiny CPU models; shapes, batches and contexts are the smoke's
-    echo "=== $tag (smoke)" | tee -a "$LOG"
-    local args=() skip=0
-    for a in "$@"; do
-      if (( skip )); then skip=0; continue; fi
-      case "$a" in --shapes|--batches|--contexts|--assume) skip=1; continue ;; esac
-      args+=("$a")
-    done
-    "$PY" -m specfx.cli bench gpu --smoke --batches 2 --repeats 1 --out-dir /tmp/r6 --tag "r6_$tag" "${args[@]}" 2>&1 \
-      | tee -a "$LOG" | grep -v "Warning\|warnings.warn"
-    echo "=== $tag exit ${PIPESTATUS[0]}" | tee -a "$LOG"
-    return
-  fi
-  local left=$(( DEADLINE - $(date +%s) ))
-  (( left > cap )) && left=$cap
-  if (( left < need )); then
-    echo "=== $tag: skipped, ${left}s left (needs ${need}s)" | tee -a "$LOG"
-    return
-  fi
-  echo "=== $tag: $(date +%T), ${left}s left" | tee -a "$LOG"
-  timeout $(( left + 5 )) "$PY" -m specfx.cli bench gpu --budget-s $(( left - 25 )) --out-dir /tmp/r6 \
-    --tag "r6_$tag" "$@" 2>&1 | tee -a "$LOG" | grep -v "^USDT"
-  cp /tmp/r6/bench_r6_"$tag".json "$OUT"/ 2>/dev/null
-}
+RUN=r6
+GPU_DRY=${R6_DRY:-}; GPU_SMOKE=${R6_SMOKE:-}  # the names run 6 was checked with
+source "$(dirname "$0")/gpu_step.sh"
 
 # compile constants: run 5 (H200) measured the 8B round 50 s and HF's 8B step 37-41 s (graph_s 20 +
 # layer_s 0.6 x 32 = 39); the 1B shapes 19-24 s per 16-layer graph and 62 s for the 150M draft's

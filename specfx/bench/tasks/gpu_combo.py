@@ -305,8 +305,10 @@ class Combo:
 
     # ------------------------------------------------------------------------- profile
     def profile(self, fns) -> dict:
-        """Each specfx generator's first row profiled once warm, with the finished-flag reads
-        overlapped and not (``SpecConfig.overlap_reads``: a host-loop setting, same graphs)."""
+        """Each specfx generator's first row profiled warm with the finished-flag reads
+        overlapped, not, and overlapped again (``SpecConfig.overlap_reads``: a host-loop
+        setting, same graphs; the third call separates the setting from the calls' order, which
+        GPU run 6 could not)."""
         out = {}
         dev = torch.device(self.args.device)
         for fam, spec in self.specs.items():
@@ -315,12 +317,13 @@ class Combo:
                 continue
             config = spec.spec_config
             try:  # "auto" reads its counters every round: overlap_reads changes nothing there
-                for overlap in (True,) if spec.auto_k is not None else (True, False):
+                for i, overlap in enumerate((True,) if spec.auto_k is not None else (True, False, True)):
                     spec.spec_config = dataclasses.replace(config, overlap_reads=overlap)
                     p = profile_decode(lambda row=row: fns[row](self._ids), spec, dev)
-                    out[f"{row}|overlap_reads={overlap}"] = p
+                    key = f"{row}|overlap_reads={overlap}" + ("|again" if i == 2 else "")
+                    out[key] = p
                     log(
-                        f"[{self.label}] profile {row} overlap_reads={overlap}: busy {p.get('busy_fraction')}, "
+                        f"[{self.label}] profile {row} {key.split('|', 1)[1]}: busy {p.get('busy_fraction')}, "
                         f"{p['graph_launches']} graph launches / {p['rounds']} rounds, "
                         f"{p.get('span_ms_per_round')} ms per round, largest gaps {p.get('largest_gaps_us')} us"
                     )

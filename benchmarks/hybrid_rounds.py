@@ -1,14 +1,15 @@
 """What a round costs on a hybrid target, and whether "auto" pays for its rollback (issue 29 item 4).
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/hybrid_rounds.py \
-        --cases qwen3_next-tiny:compiled qwen3_next-tiny:eager qwen3_next-213m:eager bamba-tiny:eager
+    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/hybrid_rounds.py --cases qwen3_next-tiny:eager \
+        qwen3_next-213m:eager bamba-tiny:eager qwen3_next-tiny:eager:4 qwen3_next-tiny:compiled
 
-Cases are ``model:mode[:batch]`` (batch: ``--batch`` unless given; mode ``eager`` = ``compile=False``, ``compiled`` = the default Inductor
-backend). Models (random weights, built from configs, no download): ``qwen3_next-tiny`` (the
-tests' ``STATEFUL_TINY`` row: 1 GDN + 1 attention layer), ``qwen3_next-213m`` (Qwen3-Next-style: 9
-gated-delta-net + 3 attention layers, hidden 768, 8 experts top-2 and a shared expert, vocab 32000;
-213M parameters) and ``bamba-tiny`` (Mamba2 SSD + attention). ``--smoke``: the tiny GDN case only,
-eager, few tokens (the test's mode).
+(docs/BENCHMARKS.md, "Hybrid targets: what rollback costs"; about 15 min on a loaded 2-core CPU).
+Cases are ``model:mode[:batch]`` (batch: ``--batch`` unless given; mode ``eager`` =
+``compile=False``, ``compiled`` = the default Inductor backend). Models (random weights, built
+from configs, no download): ``qwen3_next-tiny`` (the tests' ``STATEFUL_TINY`` row: 1 GDN + 1
+attention layer), ``qwen3_next-213m`` (Qwen3-Next-style: 9 gated-delta-net + 3 attention layers,
+hidden 768, 8 experts top-2 and a shared expert, vocab 32000; 213M parameters) and ``bamba-tiny``
+(Mamba2 SSD + attention). ``--smoke``: the tiny GDN case only, eager, few tokens (the test's mode).
 
 Per case, in one process, batch ``--batch``, greedy, EOS off, the same random prompts and tokens:
 
@@ -43,7 +44,7 @@ import json
 import os
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -152,7 +153,7 @@ def _round_split(specs: dict, calls: dict, compiled: bool, repeats: int) -> dict
     for _ in range(repeats):
         for name, fn in calls.items():
             acc = dict.fromkeys(PIECES, 0.0)
-            with timed_pieces(specs["k4@a0"], acc) if name == "round" and not compiled else _nothing():
+            with timed_pieces(specs["k4@a0"], acc) if name == "round" and not compiled else nullcontext():
                 begin = time.perf_counter()
                 fn()
                 samples[name].append(time.perf_counter() - begin)
@@ -167,11 +168,6 @@ def _round_split(specs: dict, calls: dict, compiled: bool, repeats: int) -> dict
         ms["other"] = 1e3 * min(rest)  # acceptance and bookkeeping: the round less its pieces
     ms["rollback_compiled_way"] = ms["round"] - ms["no_rollback"]
     return ms
-
-
-@contextmanager
-def _nothing():
-    yield
 
 
 def run_case(case: str, args) -> dict:

@@ -29,7 +29,10 @@ Policy. Before each window K is set to
 (the speed-up formula of Leviathan et al. 2023). K = 0 is chosen at once when no K could pay
 even if every proposal were accepted ((K + 1) / t(K) <= 1 / t(0): speculation cannot beat
 plain decoding on this machine at this batch size); otherwise only after ``MIN_EVIDENCE``
-row-rounds of measured acceptance, so one unlucky round never turns speculation off. Once K = 0
+row-rounds of measured acceptance, so one unlucky round never turns speculation off, or sooner
+when the rounds cost so much that only a high α pays (a hybrid target's verify forward and state
+rollback, decision 83): K = 0 as soon as the call's undecayed counts, under a uniform prior, leave
+less than ``STOP_RISK`` chance that α reaches the break-even α of the best K. Once K = 0
 is chosen it stays for the rest of the call when the drafter keeps state (a draft model's KV
 cache, a head's features): it has not seen the tokens decoded without it. A drafter whose
 proposals depend only on the row's committed tokens (``Drafter.resumable``: prompt lookup) is
@@ -65,6 +68,7 @@ process or on another machine. Greedy output equals plain greedy whatever K is c
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping
 
 from specfx.engine.timing import call_times
@@ -76,6 +80,7 @@ logger = logging.getLogger(__name__)
 DECAY = 0.8  # weight of the previous estimate per sync window
 PRIOR_ACCEPTED, PRIOR_TRIALS = 1.0, 2.0  # α̂ = 0.5 before anything is measured
 MIN_EVIDENCE = 8  # row-rounds of measured acceptance before K = 0 may be chosen on it
+STOP_RISK = 0.01  # ... or sooner, once the chance that any K pays falls below this (decision 83)
 HOLD, MAX_HOLD = 8, 64  # resumable drafters: K = 0 windows before a probe (doubling per failed probe)
 TREE = None  # a tree round's key among the candidates, in the times and in history (as in Plan.shapes)
 
@@ -122,6 +127,7 @@ class AutoK:
         self.cost = cost
         self.times = dict(times) if times else None
         self.resumable = resumable
+        self.stop_risk = STOP_RISK  # 0: never stop before MIN_EVIDENCE (benchmarks compare the two)
         self.reset()
 
     def reset(self, times: Mapping | None = None) -> None:
@@ -131,6 +137,7 @@ class AutoK:
             self.times = dict(times)
         self.successes, self.trials = self.prior()
         self.evidence = 0  # row-rounds measured this call
+        self.counted = self.prior()  # (successes, trials) of this call, not decayed: the early stop's evidence
         self.off = False  # K = 0 chosen: speculation is off (for the call, unless resumable)
         self.unpaid = False  # no K could pay even at α = 1: off for the call, never probed
         self.hold, self.held = HOLD, 0  # resumable: K = 0 windows before the next probe, and so far
@@ -169,8 +176,38 @@ class AutoK:
 
     def before_evidence(self) -> tuple:
         """The candidates before ``MIN_EVIDENCE`` row-rounds are measured: a chain explores
-        (K = 0 is never chosen on the prior alone)."""
-        return self.k_values
+        (K = 0 is never chosen on the prior alone), unless :meth:`hopeless`."""
+        return self.candidates if self.hopeless() else self.k_values
+
+    def break_even(self) -> float | None:
+        """The smallest α at which some K pays (``E[emitted | α, K] / t(K) > 1 / t(0)``), None if
+        none can. Expensive rounds (a hybrid's verify forward and state rollback) raise it."""
+        t0, lowest = self.round_time(0), None
+        for k in self.k_values:
+            need = self.round_time(k) / t0  # E[emitted] must exceed this; it rises with α to K + 1
+            if need >= self.best(k):
+                continue
+            lo, hi = 0.0, 1.0
+            for _ in range(40):
+                mid = (lo + hi) / 2
+                lo, hi = (lo, mid) if expected_emitted(mid, k) > need else (mid, hi)
+            lowest = hi if lowest is None else min(lowest, hi)
+        return lowest
+
+    def hopeless(self) -> bool:
+        """Whether this call's evidence (its undecayed counts, with the prior: a uniform Beta over
+        α) leaves less than ``STOP_RISK`` chance that α reaches :meth:`break_even`: then K = 0 need
+        not wait for ``MIN_EVIDENCE`` row-rounds. Where rounds are cheap (break-even α low) this
+        takes more than ``MIN_EVIDENCE`` rejections and changes nothing; where a round costs
+        several plain ones, two or three rejected rounds say enough (decision 83)."""
+        alpha = self.break_even()
+        if alpha is None or self.evidence == 0:
+            return False
+        successes, trials = (round(x) for x in self.counted)
+        # P(α > x) for α ~ Beta(a, b) with integer a, b: P(Binomial(a + b - 1, x) <= a - 1)
+        n = trials - 1
+        chance = sum(math.comb(n, j) * alpha**j * (1 - alpha) ** (n - j) for j in range(successes))
+        return chance < self.stop_risk
 
     # --------------------------------------------------------------- the policy
     def round_time(self, k) -> float:
@@ -222,6 +259,7 @@ class AutoK:
                 self.successes = DECAY * self.successes + successes
                 self.trials = DECAY * self.trials + trials
                 self.evidence += d_rr
+                self.counted = (self.counted[0] + successes, self.counted[1] + trials)
             self.k = self.choose()
         # the new K's per-position counter is the baseline for the next window's "full" count
         self._last = (accepted, row_rounds, self.full(per_position))

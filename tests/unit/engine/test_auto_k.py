@@ -75,6 +75,22 @@ def test_policy_turns_speculation_off_at_once_when_no_k_can_pay():
     assert AutoK((1, 2, 4, 8), times={0: 1.0, 8: 2.0}).k > 0
 
 
+def test_policy_stops_exploring_early_when_rounds_cost_several_plain_ones():
+    """A hybrid target's round (verify forward + state rollback; benchmarks/hybrid_rounds.py) costs
+    several plain rounds: only α above ~0.86 pays, so two rejected rounds leave under STOP_RISK
+    chance that any K pays and K = 0 comes before MIN_EVIDENCE (decision 83). Rounds that accept
+    still speculate; cheap rounds still wait for MIN_EVIDENCE."""
+    hybrid = {0: 1.0, 1: 2.4, 2: 2.8, 4: 3.8, 8: 6.5}
+    policy = AutoK((1, 2, 4, 8), times=hybrid)
+    assert policy.break_even() == pytest.approx(0.862, abs=1e-3)
+    ks = _feed(policy, accept_all=False, windows=MIN_EVIDENCE)
+    assert ks.index(0) == 2 < MIN_EVIDENCE and set(ks[2:]) == {0} and policy.off
+    assert min(_feed(AutoK((1, 2, 4, 8), times=hybrid), accept_all=True, windows=MIN_EVIDENCE)) >= 1
+    cheap = _feed(AutoK((1, 2, 4, 8), times={0: 1.0, 8: 1.4}), accept_all=False, windows=MIN_EVIDENCE + 1)
+    assert cheap.index(0) == MIN_EVIDENCE
+    assert AutoK((1, 2, 4, 8), times={0: 1.0, 8: 20.0}).break_even() is None  # no K pays: off at once
+
+
 def test_round_times_are_interpolated_between_measured_ks():
     times = {0: 1.0, 4: 2.0, 8: 6.0}
     assert [interpolate(times, k) for k in (0, 2, 4, 6, 8, 10)] == [1.0, 1.5, 2.0, 4.0, 6.0, 6.0]

@@ -69,8 +69,8 @@ class DraftModel(TreeDrafting, Drafter):
         dropped, one more padding column in front (same width, still left-padded: a state never
         sees padding after a real token), so the state ends at position ``L - 2``; the first
         round's catch-up feeds the last token."""
-        trash = self.runner.cache.trash_slot
-        return tuple(torch.cat([torch.full_like(x[:, :1], v), x[:, :-1]], dim=1) for x, v in ((ids, PLACEHOLDER), (positions, 0), (slots, trash)))
+        fills = ((ids, PLACEHOLDER), (positions, 0), (slots, self.runner.cache.trash_slot))
+        return tuple(torch.cat([torch.full_like(x[:, :1], v), x[:, :-1]], dim=1) for x, v in fills)
 
     def _catch_up(self, ctx) -> torch.Tensor:
         lengths = ctx.lengths  # [B]

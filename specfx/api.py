@@ -98,8 +98,10 @@ class SpeculativeGenerator:
         penalty_counts_left_padding()  # read eagerly: the prefill graphs read it as a constant
         self.target_runner = ModelRunner(model, role="target")
         self.drafter = resolve_drafter(draft, model)
-        if self.target_runner.stateful:
-            check_stateful(self.target_runner, self.drafter, config)
+        # the runners whose recurrent state rounds roll back (decisions 76, 81): the target's, a draft model's
+        self.state_runners = [r for r in (self.target_runner, getattr(self.drafter, "runner", None)) if r and r.stateful]
+        for runner in self.state_runners:
+            check_stateful(runner, self.drafter, config)
         self.drafter.bind(self.target_runner)
         self.target_runner.check_taps(self.drafter.taps)  # the hidden states it reads exist
         self.plan = plan_rounds(config, self.drafter, self.target_runner)
@@ -120,8 +122,8 @@ class SpeculativeGenerator:
         background = config.background_compile
         if background is None:  # decision 67: where a compile costs minutes and is measured
             background = config.compile and config.backend == "specfx" and self.device.type == "cpu"
-            # a stateful target's round is traced only while its mixer hooks are attached (decision 76)
-            background = background and not self.target_runner.stateful
+            # a stateful model's round is traced only while its mixer hooks are attached (decision 76)
+            background = background and not self.state_runners
         self.graph_cache = GraphCache(
             config.backend,
             max_graphs,
@@ -340,7 +342,8 @@ class SpeculativeGenerator:
             try:
                 return self._generate(inputs, kwargs)
             finally:
-                self.target_runner.detach_state_hooks()  # the user's model keeps no hook (decision 76)
+                for runner in self.state_runners:  # the user's models keep no hook (decision 76)
+                    runner.detach_state_hooks()
 
     def _generate(self, inputs, kwargs):
         tr = self.target_runner
@@ -352,8 +355,8 @@ class SpeculativeGenerator:
         # trash slot), so the longest prompt, not its bucket, sizes the buffers: attention reads
         # every slot of them (or, compiled, the live ones: decision 45)
         self._ensure_state(rows, seq_len + req.max_new_tokens + self.k + 2)
-        if self.spec_config.compile:  # compiled rounds record a stateful target's mixers through hooks
-            tr.attach_state_hooks()
+        for runner in self.state_runners if self.spec_config.compile else ():  # compiled rounds record
+            runner.attach_state_hooks()  # the stateful models' mixers through hooks attached before tracing
         self.graph_cache.grow_live(self.state_slots.shape[1], self.live_bound(seq_len, req.max_new_tokens))
         load_request(self.state, req, batch, self.device)
         # [rows, bucket]: columns past HF's own width hold -1 (never a token: the repetition

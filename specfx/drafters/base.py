@@ -119,6 +119,11 @@ class Drafter:
         from (None for a deterministic drafter: q is then one-hot on the proposal)."""
         raise NotImplementedError
 
+    def commit_chain(self, n: torch.Tensor) -> None:
+        """After a chain round's verification (K > 0): ``n [B]`` tokens emitted per row (0 for rows
+        already finished). Only for drafters whose state cannot simply be overwritten next round
+        (a draft model with recurrent state rolls it back here, decision 81)."""
+
 
 class TreeDrafting:
     """Capability mixin: the drafter drafts static token trees (``speculate(tree=TokenTree)``).

@@ -105,6 +105,12 @@ class Pard(Drafter):
         if isinstance(mask_token_id, bool) or not isinstance(mask_token_id, int):
             raise ValueError(f"Pard: mask_token_id must be an int token id, got {mask_token_id!r}.")
         self.runner = ModelRunner(model, role="draft")
+        if self.runner.stateful:
+            raise ValueError(
+                f"Pard: {type(model).__name__} keeps recurrent or linear-attention state, which would absorb "
+                f"the mask tokens PARD appends every round; specfx rolls a draft's state back only along "
+                f"its own chain (decision 81). Use it as an ordinary draft model: speculate(target, draft=model)."
+            )
         self.model = model
         if not 0 <= mask_token_id < self.runner.vocab_size:
             raise ValueError(

@@ -324,6 +324,8 @@ def round_step(target, drafter, state: RoundState, shape: RoundShape, vocab: int
     out, n, emitted, done = truncate(s, out, n_accepted, active)
     if roll_back:  # the state after each row's first n inputs: the pending token and n - 1 accepted
         target.roll_back_state(n, k + 1)
+    if k > 0:  # the drafter's own state after the emitted tokens (a stateful draft model, decision 81)
+        drafter.commit_chain(n)
     if sample:  # HF raises when it samples from a NaN distribution; flag it for the host's next read
         s.invalid.copy_(s.invalid | (p.isnan().any(dim=-1) & emitted).any(dim=1))
 

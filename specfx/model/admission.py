@@ -95,10 +95,12 @@ def state_cache_kwarg(model) -> str | None:
 
 def state_refusal(model, role: str) -> str | None:
     """Why specfx cannot speculate ``model``, which keeps recurrent or linear-attention state, or
-    None if it can (decisions 76 and 79): as the target, when HF's own cache layout for its config
-    (``DynamicCache(config=...)``) keeps the state in HF linear-attention layers (alone or beside
-    KV in the same layer), and its type is not declared refused in the architecture table (whose
-    reason is quoted). The incremental-decoding probe then checks it by running it."""
+    None if it can (decisions 76, 79 and 81): as the target or as a draft model, when HF's own
+    cache layout for its config (``DynamicCache(config=...)``) keeps the state in HF
+    linear-attention layers (alone or beside KV in the same layer), and its type is not declared
+    refused in the architecture table (whose reason is quoted). The incremental-decoding probe
+    then checks it by running it. Drafters that feed a draft model other than a chain of its own
+    proposals refuse state themselves (PARD's mask tokens)."""
     from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixin
 
     name = type(model).__name__
@@ -111,11 +113,6 @@ def state_refusal(model, role: str) -> str | None:
             f"models list the hybrid types it runs)."
         )
     who = f"{role} ({name}) keeps recurrent or linear-attention state (Mamba/RWKV/hybrid-style layers)"
-    if role != "target":
-        return (
-            f"{who}. specfx rolls back such state only in the target model for now: a stateful draft "
-            f"model is not supported. Use an attention-only draft model or draft='prompt_lookup'."
-        )
     try:
         layers = DynamicCache(config=model.config.get_text_config(decoder=True)).layers
     except Exception as e:

@@ -18,7 +18,8 @@ and ``recurrent_states`` dicts):
   ``layer_idx`` whose cache layer is a linear-attention layer), their inputs recorded during a
   forward, and :meth:`MixerTaps.replay` to re-run only them on the accepted prefix of those inputs
   from a snapshot: the state after n+1 inputs without re-running attention, MLPs or the LM head;
-  :meth:`MixerTaps.replay_steps`, the same with fixed shapes and per-row n (decision 76's choice);
+  :meth:`MixerTaps.replay_steps`, the same with fixed shapes and per-row n (decision 76's choice),
+  over the inputs of one forward or of several in a row (a draft model's round, decision 81);
 * :class:`StateLayer` and :func:`slot_cache_with_state`: specfx's :class:`SlotCache` with HF's
   linear-attention layer over zeroed static buffers where HF's layer mapping puts state, and
   :func:`masks_with_state`, the mask dict such a model needs (4-D for attention layers, the 2-D
@@ -225,14 +226,16 @@ class MixerTaps:
         ]
         if run is not None:
             self.mixers = _state_writers(self.mixers, cache, run)
-        self.inputs: dict[int, tuple[tuple, dict]] = {}
+        # per mixer, the (args, kwargs) of each forward recorded, in order (one for a verify forward;
+        # a stateful draft's round records its catch-up and each draft step, decision 81)
+        self.inputs: dict[int, list[tuple[tuple, dict]]] = {}
         self.on = False  # record only while True (the replays call the same modules)
         self._handles: list = []
         self._step = StateSnapshot(cache)  # the state before a replay step (replay_steps), taken in place
 
         def hook(mod, args, kwargs):  # one function for every attach: a compiled graph guards on it
             if self.on:
-                self.inputs[id(mod)] = (args, kwargs)
+                self.inputs.setdefault(id(mod), []).append((args, kwargs))
 
         self._hook = hook
         self.attached = False  # a plain flag a compiled graph can read (not the hook handles)
@@ -267,22 +270,26 @@ class MixerTaps:
         """Re-run every mixer on the first ``length`` positions of its recorded inputs, through
         ``cache`` (whose states the caller has restored to the pre-forward snapshot): the states
         become those after exactly ``length`` inputs. One length for all rows (batch 1, or rows
-        that accepted alike); see :meth:`replay_steps` for per-row lengths."""
+        that accepted alike; one recorded forward); see :meth:`replay_steps` for per-row lengths."""
         for mod in self.mixers:
-            args, kwargs = self.inputs[id(mod)]
+            (args, kwargs), *_ = self.inputs[id(mod)]
             mod(*_prefix(args, length), **_prefix_kw(kwargs, length, cache))
 
-    def replay_steps(self, cache, n: torch.Tensor, tokens: int) -> None:
+    def replay_steps(self, cache, n: torch.Tensor, tokens: int | None = None) -> None:
         """Per-row lengths with fixed shapes: ``tokens`` single-position mixer calls from the
         restored snapshot, each row's state frozen once its ``n[b] + 1`` inputs are in (a
-        predicated write per step; no host sync). The caller has restored the pre-verify
-        snapshot."""
+        predicated write per step; no host sync). The inputs are the recorded forwards' columns
+        in order (one forward's, or several forwards' one after another; ``tokens`` None: all of
+        them). The caller has restored the snapshot taken before the first recorded forward."""
         before = self._step  # static buffers allocated with the taps, reused by every step and round
+        columns = {id(mod): _columns(self.inputs[id(mod)]) for mod in self.mixers}
+        if tokens is None:
+            tokens = len(columns[id(self.mixers[0])])
         for t in range(tokens):
             before.take()
             for mod in self.mixers:
-                args, kwargs = self.inputs[id(mod)]
-                mod(*_column(args, t), **_column_kw(kwargs, t, cache))
+                args, kwargs, col = columns[id(mod)][t]
+                mod(*_column(args, col), **_column_kw(kwargs, col, cache))
             before.restore(keep=t <= n)
 
 
@@ -330,6 +337,16 @@ def _state_writers(mods, cache, run) -> list:
         for h in handles:
             h.remove()
     return [m for m in mods if id(m) in touched]
+
+
+def _columns(recorded: list[tuple[tuple, dict]]) -> list[tuple[tuple, dict, int]]:
+    """(args, kwargs, column) of every input position of the recorded forwards, in order; a
+    forward's width is its first time-indexed tensor's (``[B, T, ...]``), a static shape."""
+    out = []
+    for args, kwargs in recorded:
+        width = next(v.shape[1] for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.dim() >= 2)
+        out.extend((args, kwargs, t) for t in range(width))
+    return out
 
 
 def _slice(x, sl):

@@ -170,8 +170,23 @@ class ModelRunner:
         with taps.recording():
             return self.forward(ids, positions, slots)
 
-    def roll_back_state(self, n: torch.Tensor, tokens: int) -> None:
-        """After a verify forward of ``tokens`` inputs (:meth:`verify_recording`) of which row b
+    def start_recording(self) -> None:
+        """Start a stretch of forwards whose stateful mixers' inputs are all recorded, in order (a
+        stateful draft model's round: its catch-up and each draft step, decision 81): the state
+        snapshot taken first; :meth:`stop_recording` ends it, :meth:`roll_back_state` rolls back
+        over every input recorded. The hooks stay attached until :meth:`detach_state_hooks` (the
+        generator's, after each call; a compiled round finds them attached already)."""
+        self.state_snapshot.take()
+        if not self.mixer_taps.attached:  # eager rounds; a compiled one reads the plain flag only
+            self.mixer_taps.attach()
+        self.mixer_taps.on = True
+
+    def stop_recording(self) -> None:
+        self.mixer_taps.on = False
+
+    def roll_back_state(self, n: torch.Tensor, tokens: int | None = None) -> None:
+        """After a verify forward of ``tokens`` inputs (:meth:`verify_recording`; or forwards of
+        ``tokens`` inputs in all, :meth:`start_recording`; None: every input recorded) of which row b
         keeps the first ``n[b]`` (0..tokens): every stateful layer's state becomes the state
         after exactly those inputs: the snapshot written back, then the mixers' own single-token
         steps on the recorded inputs, each kept only by the rows still within their n (fixed

@@ -269,15 +269,20 @@ def test_dflash_sampling_matches_exact_distribution(case):
 STATE_OPTIONS = dict(num_speculative_tokens=3, compile=False, min_capacity=16, prefill_buckets=(4,))
 
 
-def _stateful_samples(arch, kwargs, keep_every_input=False):
+def _stateful_samples(arch, kwargs, keep_every_input=False, stateful_draft=False):
     """Speculative samples of the first NEW tokens after ``[1, 4, 2]`` from a tiny ``arch`` target
     with recurrent state (decision 76), drafted by a random attention-only model (rounds accept 0..3
     proposals, so the state is rolled back to each row's own n every round), and the generator's
     stats. ``keep_every_input``: the rollback replaced by one that keeps all K+1 verified inputs in
-    the state (what a round without rollback does), after ``speculate()``'s probe has admitted it."""
+    the state (what a round without rollback does), after ``speculate()``'s probe has admitted it.
+    ``stateful_draft``: drafted by a perturbed copy of the target instead, whose own state is rolled
+    back every round too (decision 81)."""
     target = tiny_causal_lm(arch, vocab_size=V, eos_token_id=None, initializer_range=0.12, seed=3, **_STATEFUL[arch])
     target.generation_config.eos_token_id = None
-    draft = tiny_causal_lm("llama", vocab_size=V, eos_token_id=None, initializer_range=0.12, seed=4)
+    if stateful_draft:
+        draft = perturbed_copy(target, 0.15, seed=4)
+    else:
+        draft = tiny_causal_lm("llama", vocab_size=V, eos_token_id=None, initializer_range=0.12, seed=4)
     spec = specfx.speculate(target, draft=draft, **STATE_OPTIONS)
     if keep_every_input:
         real = spec.target_runner.roll_back_state
@@ -306,6 +311,17 @@ def test_stateful_target_sampling_matches_exact_distribution(arch, case):
     assert 0.05 < stats.acceptance_rate < 0.95
     assert stats.per_position[2] > 0  # some rounds accepted all three: every n occurs
     assert _chisquare(samples, probs) > 1e-3
+
+
+@pytest.mark.full
+def test_stateful_draft_sampling_matches_exact_distribution():
+    """A draft model with recurrent state of its own (decision 81) before a stateful target: both
+    states rolled back to each row's own n every round, and the samples still follow the target's
+    exact distribution (q is what the draft sampled from its rolled-back state)."""
+    target, samples, stats = _stateful_samples("qwen3_next", {}, stateful_draft=True)
+    assert 0.05 < stats.acceptance_rate < 0.95
+    assert stats.per_position[2] > 0  # some rounds accepted all three: every n occurs
+    assert _chisquare(samples, _exact(target, [1, 4, 2], LogitsProcessorList())) > 1e-3
 
 
 @pytest.mark.full

@@ -144,12 +144,6 @@ def test_the_users_model_is_unchanged(model, one_thread):
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
-def test_refused_as_a_draft_model(model):
-    target = tiny_causal_lm("llama")
-    with pytest.raises(ValueError, match=r"state.*stateful draft model is not supported"):
-        specfx.speculate(target, draft=model, compile=False)
-
-
 def _compiled_check(model, backend):
     """Batch 1, then two left-padded batches of one bucket, each equal to ``generate()`` with rounds
     that accept some proposals and reject the rest; one round graph per batch bucket, and the second

@@ -129,6 +129,27 @@ def test_mixer_steps_roll_back_each_row_to_its_own_n(model):
 
 
 @torch.no_grad()
+def test_mixer_steps_walk_the_inputs_of_several_forwards_in_order(model):
+    """A stateful draft's round (decision 81): a two-token forward, then single ones, recorded
+    together; the steps replay their columns in order, each row to its own n."""
+    prompt, verify = _inputs(model, batch=2)
+    n = torch.tensor([0, 3])
+    _, cache = _fwd(model, prompt)
+    snapshot = StateSnapshot(cache)
+    taps = MixerTaps(model, cache)
+    with taps.recording():
+        for cols in (slice(0, 2), *(slice(t, t + 1) for t in range(2, K + 1))):
+            _fwd(model, verify[:, cols], cache)
+    assert [len(v) for v in taps.inputs.values()] == [K] * len(taps.mixers)
+    snapshot.restore()
+    taps.replay_steps(cache, n)  # every input recorded: K + 1
+    got = _states(cache)
+    for row in range(2):
+        want = _after(model, prompt[row : row + 1], verify[row : row + 1], int(n[row]))
+        assert _close([g[row : row + 1] for g in got], want, rtol=1e-4)
+
+
+@torch.no_grad()
 def test_restore_keeps_the_rows_it_is_told_to(model):
     prompt, verify = _inputs(model, batch=2)
     _, cache = _fwd(model, prompt)

@@ -67,12 +67,13 @@ def pard_layout(ids: torch.Tensor, k: int, mask_token: int, kept: list[np.ndarra
     attention_mask [B, 1, S, S] float 0/-inf, labels [B, S], depth [S])``. Entries: the T real
     tokens, then for each depth j the masks standing after the anchors ``kept[j - 1]``."""
     b, t = ids.shape
+    device = ids.device  # the layout is built where the windows are: torch.where mixes no devices (CUDA)
     anchor = [np.arange(t)] + list(kept)
-    anchors = torch.from_numpy(np.concatenate(anchor)).long()
-    depth = torch.cat([torch.full((len(a),), j, dtype=torch.long) for j, a in enumerate(anchor)])
+    anchors = torch.from_numpy(np.concatenate(anchor)).long().to(device)
+    depth = torch.cat([torch.full((len(a),), j, dtype=torch.long, device=device) for j, a in enumerate(anchor)])
     pos = anchors + depth
     s = len(anchors)
-    tokens = torch.where(depth == 0, ids[:, anchors.clamp(max=t - 1)], torch.full((b, s), mask_token))
+    tokens = torch.where(depth == 0, ids[:, anchors.clamp(max=t - 1)], torch.full((b, s), mask_token, device=device))
     target_at = (anchors + 1 + depth).clamp(max=t - 1)
     labels = ids[:, target_at].clone()
     labels[:, (anchors + 1 + depth) > t - 1] = -100  # the last real token predicts nothing here
@@ -80,14 +81,8 @@ def pard_layout(ids: torch.Tensor, k: int, mask_token: int, kept: list[np.ndarra
     qa, qd = anchors[:, None], depth[:, None]
     ka, kd = anchors[None, :], depth[None, :]
     visible = ((kd == 0) & (ka <= qa)) | ((kd >= 1) & (ka == qa) & (kd <= qd))
-    mask = torch.zeros(s, s).masked_fill(~visible, float("-inf"))
-    return (
-        tokens.to(ids.device),
-        pos.expand(b, -1).to(ids.device),
-        mask.expand(b, 1, s, s).to(ids.device),
-        labels.to(ids.device),
-        depth.to(ids.device),
-    )
+    mask = torch.zeros(s, s, device=device).masked_fill(~visible, float("-inf"))
+    return tokens, pos.expand(b, -1), mask.expand(b, 1, s, s), labels, depth
 
 
 def default_mask_token(config, tokenizer) -> int:

@@ -67,6 +67,13 @@ def test_masked_forward_equals_the_drafters_causal_forwards(one_thread, ratio):
     assert not torch.allclose(out, plain, atol=1e-3)
 
 
+def test_layout_is_built_on_the_windows_device():
+    # meta stands in for CUDA: a CPU tensor mixed into the layout's torch.where fails on either
+    ids = torch.zeros((2, 12), dtype=torch.long, device="meta")
+    kept = cod_keep(12, 4, 0.7, 0.2, np.random.default_rng(1))
+    assert {t.device.type for t in pard_layout(ids, 4, 63, kept)} == {"meta"}
+
+
 def test_cod_keeps_chains_and_shrinks_with_depth():
     kept = cod_keep(100, 8, 0.7, 0.2, np.random.default_rng(0))
     # int(100 * max(0.7**j, 0.2)); 0.7**2 * 100 is just under 49 in floats, as in the reference

@@ -3,6 +3,8 @@
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "hybrid_rounds.py"
 
 
@@ -13,6 +15,7 @@ def _script():
     return module
 
 
+@pytest.mark.full  # a benchmark's smoke (the rule it shows has its own test in test_auto_k.py)
 def test_smoke_rounds_equal_hf_and_time_the_rollback(capsys):
     (case,) = _script().main(["--smoke"])["cases"]
     methods = case["methods"]

@@ -126,7 +126,7 @@ class TapCaptures:
             "hidden_taps", hidden_taps, layer_names=decoder_layer_names(runner.model), taps=taps
         )
         mixers = runner.mixer_taps if record else None
-        kept = StateSnapshot(runner.cache) if runner.stateful else None  # the capture's forward writes the state
+        kept = StateSnapshot(runner.cache) if getattr(runner, "stateful", False) else None  # its forward writes the state
 
         def recording(ids, positions, slots):  # traced: the logits, then the mixers' recorded inputs
             return (runner.forward(ids, positions, slots), *mixers.flat_inputs())

@@ -65,12 +65,13 @@ def _attention_layer_type(config, owner: str) -> None:
     Qwen3-Next's first layers are gated delta nets): EAGLE's layer is the target's layer class with its
     own KV, so it takes the target's first layer type that keeps KV only (decision 82). ValueError
     when every layer type keeps state (an EAGLE layer would keep state of its own)."""
+    from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, LinearAttentionCacheLayerMixin
+
     types = list(getattr(config, "layer_types", None) or [])
-    if not types:
+    # HF's own mapping first: an attention target's config is never handed to DynamicCache here
+    if not types or not issubclass(DYNAMIC_LAYER_TYPE_MAPPING.get(types[0], object), LinearAttentionCacheLayerMixin):
         return
     stateful = state_layer_types(config)
-    if types[0] not in stateful:
-        return
     attention = [t for t in types if t not in stateful | state_only_layer_types(config)]  # KV, no state
     if not attention:
         raise ValueError(

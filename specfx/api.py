@@ -280,7 +280,8 @@ class SpeculativeGenerator:
         elif shape.tree is not None:
             self.target_runner.prepare_taps(batch, shape.tree.size + 1, taps, tree=shape.tree)
         elif shape.draft_tokens > 0:  # K = 0 rounds (plain decoding) read no taps
-            self.target_runner.prepare_taps(batch, shape.draft_tokens + 1, taps)
+            # a stateful target's verify forward also returns its mixers' inputs (decision 82)
+            self.target_runner.prepare_taps(batch, shape.draft_tokens + 1, taps, record=self.target_runner.stateful)
 
     def round_fn(self, k: int | None = None, sample: Mode | bool | None = None, collect: bool = False) -> Callable:
         """One round of the allocated state (after a ``generate()`` call) as a callable

@@ -306,7 +306,7 @@ def round_step(target, drafter, state: RoundState, shape: RoundShape, vocab: int
     # and rolled back below to each row's emitted count (K = 0 keeps its one input: no rollback)
     roll_back = getattr(target, "stateful", False) and k > 0
     if roll_back:
-        verified = target.verify_recording(ids, pos, pos)  # no taps: refused with state
+        verified = target.verify_recording(ids, pos, pos, taps)  # heads' taps too (decision 82)
     else:
         verified = target.forward(ids, pos, pos, taps=taps)
     logits, features = verified if taps else (verified, None)

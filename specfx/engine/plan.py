@@ -208,15 +208,21 @@ def check_depth(config: SpecConfig, tree, drafter) -> None:
 
 def check_stateful(runner, drafter, config) -> None:
     """ValueError for what a target with recurrent or linear-attention state cannot run yet
-    (decisions 76 and 78: chain rounds, eager or compiled in the foreground, with a drafter that does
-    not run the target's layers; trees and hidden-state taps are refused by the runner's own tree and
-    taps refusals)."""
+    (decisions 76, 78 and 82: chain rounds, eager or compiled in the foreground, with a drafter that does
+    not run the target's layers, heads reading its hidden states included but not MTP; trees are
+    refused by the runner's own tree refusal)."""
     who = f"{runner.role} ({type(runner.model).__name__}) keeps recurrent or linear-attention state"
     if drafter.runs_target_layers:
         raise ValueError(
             f"{who}, which specfx rolls back only after its own verify forward: the {drafter.name!r} drafter "
             f"runs the target's layers, which would advance that state. Use a draft model or "
             f"draft='prompt_lookup'."
+        )
+    if drafter.name == "mtp":  # the other drafters reading hidden states run exactly (decision 82)
+        raise ValueError(
+            f"{who}: MTP layers are built from the target's own decoder-layer class (a hybrid target's "
+            f"may keep state of their own, which nothing rolls back) and none has been verified on such a "
+            f"target yet. Use EAGLE-3, DFlash or Medusa heads, a draft model or draft='prompt_lookup'."
         )
     if config.compile and config.background_compile:
         raise ValueError(

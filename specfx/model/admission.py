@@ -299,10 +299,4 @@ def taps_refusal(runner) -> str | None:
             f"row by row), so its hidden states cannot be tapped in one forward; drafters that "
             f"read the target's hidden states (MTP, Medusa, EAGLE) cannot serve it."
         )
-    if getattr(runner, "stateful", False):
-        return (
-            f"{runner.role} ({type(runner.model).__name__}) keeps recurrent or linear-attention state, whose "
-            f"rollback is not wired into the tapped forward yet; drafters that read the target's hidden "
-            f"states (MTP, Medusa, EAGLE, DFlash) cannot serve it. Use a draft model or draft='prompt_lookup'."
-        )
     return None

@@ -114,8 +114,9 @@ class CapturedForward:
     ):
         self.gm = gm
         # per placeholder: a call input by name ("ids", "positions", "slots"; with a tree also
-        # "lengths", "depth", "ancestors") | ("kv", layer, "keys" | "values") or ("cache", None,
-        # attribute): a tensor of the runner's *current* cache | a bound target tensor (a parameter)
+        # "lengths", "depth", "ancestors") | ("kv", layer, "keys" | "values"), ("state", layer,
+        # "conv_states" | "recurrent_states", index) or ("cache", None, attribute): a tensor of the
+        # runner's *current* cache | a bound target tensor (a parameter)
         self.inputs = inputs
         self.runner = runner
         self.queries = queries  # the token-tree nodes it runs on (None: a plain causal forward)
@@ -125,8 +126,10 @@ class CapturedForward:
         if isinstance(x, str):
             return given[x]
         if isinstance(x, tuple):  # cache tensors are looked up at call time: the graph survives reallocation
-            kind, layer, name = x
+            kind, layer, name, *idx = x
             cache = self.runner.cache
+            if kind == "state":  # a stateful layer's conv or recurrent state (its dict, then the state index)
+                return getattr(cache.layers[layer], name)[idx[0]]
             return getattr(cache.layers[layer] if kind == "kv" else cache, name)
         return x
 
@@ -186,11 +189,14 @@ def capture_forward(
     tree: TreeView | None = None,
     transform: Callable[[fx.GraphModule], int] | None = None,
     result: type[CapturedForward] = CapturedForward,
+    call: Callable | None = None,
 ) -> CapturedForward:
     """Capture ``runner.forward`` for ``[batch_size, tokens]`` inputs, apply ``transform`` (a
     pass ``GraphModule -> int``, its count kept as ``sites``) and bind the graph's inputs
     (see the module docstring). The runner's cache must be allocated; the capture writes only
-    its trash slot.
+    its trash slot (and a stateful model's state: the caller keeps it). ``call(ids, positions,
+    slots)``, if given, is traced instead of ``runner.forward`` (no tree): the logits first, then
+    further outputs (a stateful target's recorded mixer inputs, decision 82).
 
     With ``tree`` (a :class:`~specfx.model.masks.TreeView` whose ``queries`` are the token-tree nodes,
     one per input column, so ``tokens`` is ``len(queries)``): the forward over those nodes.
@@ -205,10 +211,12 @@ def capture_forward(
         )
     device = runner.device
     queries = None
+    if call is not None and tree is not None:
+        raise ValueError("capture_forward: call= is for causal forwards, not token-tree nodes")
     if tree is None:
 
         def forward(ids, positions, slots):
-            return runner.forward(ids, positions, slots)
+            return runner.forward(ids, positions, slots) if call is None else call(ids, positions, slots)
 
     else:
         queries = tuple(tree.queries)
@@ -252,8 +260,12 @@ def capture_forward(
     cache = runner.cache  # its tensors are read at call time (the capture outlives reallocations)
     dynamic = {id(t): ("cache", None, name) for name, t in vars(cache).items() if isinstance(t, torch.Tensor)}
     for i, layer in enumerate(cache.layers):
-        if layer.is_initialized:
+        if getattr(layer, "is_initialized", False) and isinstance(getattr(layer, "keys", None), torch.Tensor):
             dynamic.update({id(layer.keys): ("kv", i, "keys"), id(layer.values): ("kv", i, "values")})
+        for name in ("conv_states", "recurrent_states"):  # a stateful layer's buffers, by role too
+            for idx, t in (getattr(layer, name, None) or {}).items():
+                if isinstance(t, torch.Tensor):
+                    dynamic[id(t)] = ("state", i, name, idx)
     dynamic.update({id(x): name for name, x in given.items()})
     binding = {p.name: dynamic.get(id(x), x) for p, x in zip(placeholders, example_inputs, strict=True)}
     sites = transform(gm) if transform is not None else 0

@@ -266,6 +266,47 @@ class MixerTaps:
             if attached:
                 self.detach()
 
+    # ------------------------------------------------ recorded inside a captured forward (decision 82)
+    def flat_inputs(self) -> tuple[torch.Tensor, ...]:
+        """The recorded inputs' tensors, mixers in order, each mixer's positional then keyword ones
+        (``attention_mask`` left out: a replay passes None). Called inside the trace of a capture
+        (:class:`~specfx.model.taps.TapCaptures`), whose extra outputs they become: a captured graph
+        calls no module, so no hook can record during it."""
+        out: list[torch.Tensor] = []
+        for mod in self.mixers:
+            for args, kwargs in self.inputs[id(mod)]:  # one recorded forward per capture
+                out += [a for a in args if isinstance(a, torch.Tensor)]
+                out += [v for k, v in kwargs.items() if isinstance(v, torch.Tensor) and k != "attention_mask"]
+        return tuple(out)
+
+    def template(self, cache) -> list[list[tuple[tuple, dict]]]:
+        """The recorded inputs' structure, per mixer and recorded forward, with :data:`_TENSOR`
+        where :meth:`flat_inputs` takes a tensor and :data:`_CACHE` where ``cache`` was passed
+        (no tensor, no cache kept)."""
+
+        def spec(k, v):
+            if k == "attention_mask":
+                return None
+            return _TENSOR if isinstance(v, torch.Tensor) else _CACHE if v is cache else v
+
+        return [
+            [(tuple(spec(None, a) for a in args), {k: spec(k, v) for k, v in kwargs.items()}) for args, kwargs in forwards]
+            for forwards in (self.inputs[id(mod)] for mod in self.mixers)
+        ]
+
+    def load(self, template: list[list[tuple[tuple, dict]]], tensors, cache) -> None:
+        """Set the recorded inputs from a captured forward's extra outputs ``tensors`` (in
+        :meth:`flat_inputs`' order) and the capture's :meth:`template`, as the hooks would have."""
+        it = iter(tensors)
+
+        def fill(v):
+            return next(it) if v is _TENSOR else cache if v is _CACHE else v
+
+        for mod, forwards in zip(self.mixers, template, strict=True):
+            self.inputs[id(mod)] = [
+                (tuple(fill(a) for a in args), {k: fill(v) for k, v in kwargs.items()}) for args, kwargs in forwards
+            ]
+
     def replay(self, cache, length: int) -> None:
         """Re-run every mixer on the first ``length`` positions of its recorded inputs, through
         ``cache`` (whose states the caller has restored to the pre-forward snapshot): the states
@@ -291,6 +332,9 @@ class MixerTaps:
                 args, kwargs, col = columns[id(mod)][t]
                 mod(*_column(args, col), **_column_kw(kwargs, col, cache))
             before.restore(keep=t <= n)
+
+
+_TENSOR, _CACHE = object(), object()  # a template's places for a recorded tensor and for the cache
 
 
 class _Touches(dict):

@@ -156,11 +156,15 @@ class ModelRunner:
         for _, layer in stateful_layers(self.cache):
             layer.start()
 
-    def verify_recording(self, ids, positions, slots):
+    def verify_recording(self, ids, positions, slots, taps: tuple[str, ...] = ()):
         """A verify forward of a stateful model: the state snapshot taken first, the stateful
         mixers' inputs recorded during it (forward pre-hooks on the model's mixer modules,
-        removed before this returns), for :meth:`roll_back_state`."""
+        removed before this returns), for :meth:`roll_back_state`. With ``taps``: ``(logits,
+        features)`` as :meth:`forward`, from a tapped capture that returns the mixers' inputs
+        itself (decision 82: a captured graph calls no module, so no hook runs in it)."""
         self.state_snapshot.take()
+        if taps:
+            return self.taps.forward(ids, positions, slots, None, taps, record=True)
         taps = self.mixer_taps
         if taps.attached:  # compiled rounds: attached around the call (attach_state_hooks), not traced
             taps.on = True
@@ -274,10 +278,13 @@ class ModelRunner:
         (:meth:`specfx.model.taps.TapCaptures.check`)."""
         self.taps.check(taps)
 
-    def prepare_taps(self, batch_size: int, tokens: int, taps, tree: TokenTree | DynamicTree | None = None) -> None:
+    def prepare_taps(
+        self, batch_size: int, tokens: int, taps, tree: TokenTree | DynamicTree | None = None, record: bool = False
+    ) -> None:
         """Capture the tapped forward of this shape now, eagerly, unless it is captured already
-        (:meth:`specfx.model.taps.TapCaptures.prepare`)."""
-        self.taps.prepare(batch_size, tokens, taps, tree)
+        (:meth:`specfx.model.taps.TapCaptures.prepare`; ``record``: the verify forward of
+        :meth:`verify_recording`)."""
+        self.taps.prepare(batch_size, tokens, taps, tree, record)
 
     def _call(self, ids, mask, positions, **kwargs):
         if self.max_positions is not None:

@@ -26,6 +26,7 @@ from transformers.generation.logits_process import (
 
 import specfx
 from specfx.drafters.base import Drafter, TreeDrafting
+from specfx.drafters.heads.eagle3 import Eagle3
 from specfx.engine import tree_round
 from specfx.sampling.rng import sample_from
 from specfx.testing.tiny import STATEFUL_TINY, perturbed_copy, tiny_causal_lm
@@ -269,20 +270,23 @@ def test_dflash_sampling_matches_exact_distribution(case):
 STATE_OPTIONS = dict(num_speculative_tokens=3, compile=False, min_capacity=16, prefill_buckets=(4,))
 
 
-def _stateful_samples(arch, kwargs, keep_every_input=False, stateful_draft=False):
+def _stateful_samples(arch, kwargs, keep_every_input=False, stateful_draft=False, head=False):
     """Speculative samples of the first NEW tokens after ``[1, 4, 2]`` from a tiny ``arch`` target
     with recurrent state (decision 76), drafted by a random attention-only model (rounds accept 0..3
     proposals, so the state is rolled back to each row's own n every round), and the generator's
     stats. ``keep_every_input``: the rollback replaced by one that keeps all K+1 verified inputs in
     the state (what a round without rollback does), after ``speculate()``'s probe has admitted it.
     ``stateful_draft``: drafted by a perturbed copy of the target instead, whose own state is rolled
-    back every round too (decision 81)."""
+    back every round too (decision 81). ``head``: drafted by a random EAGLE-3 head instead, reading
+    the target's hidden states (decision 82)."""
     target = tiny_causal_lm(arch, vocab_size=V, eos_token_id=None, initializer_range=0.12, seed=3, **_STATEFUL[arch])
     target.generation_config.eos_token_id = None
     if stateful_draft:
         draft = perturbed_copy(target, 0.15, seed=4)
     else:
         draft = tiny_causal_lm("llama", vocab_size=V, eos_token_id=None, initializer_range=0.12, seed=4)
+    if head:
+        draft = Eagle3.random(target, layer_ids=[0, 1, 1], seed=5)
     spec = specfx.speculate(target, draft=draft, **STATE_OPTIONS)
     if keep_every_input:
         real = spec.target_runner.roll_back_state
@@ -331,3 +335,13 @@ def test_negative_control_state_not_rolled_back():
     target, samples, stats = _stateful_samples("qwen3_next", {}, keep_every_input=True)
     assert stats.acceptance_rate < 0.95  # rejected proposals went into the state
     assert _chisquare(samples, _exact(target, [1, 4, 2], LogitsProcessorList())) < 1e-6
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("arch", ["qwen3_next"])
+def test_stateful_target_sampling_with_an_eagle3_head_matches_exact_distribution(arch):
+    """The same with an EAGLE-3 head (decision 82): its verify forward is the tapped capture that
+    returns the mixers' inputs for the rollback."""
+    target, samples, stats = _stateful_samples(arch, {}, head=True)
+    assert 0.05 < stats.acceptance_rate < 0.95
+    assert _chisquare(samples, _exact(target, [1, 4, 2], LogitsProcessorList())) > 1e-3

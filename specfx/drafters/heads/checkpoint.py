@@ -31,6 +31,7 @@ __all__ = [
     "check_tensors",
     "layer_config",
     "read_head",
+    "target_attention",
     "warn_engine_gaps",
     "write_head",
 ]
@@ -171,6 +172,16 @@ def warn_engine_gaps(kind: str, path: str | Path, gaps: dict[str, list[str]]) ->
         HeadLayoutWarning,
         stacklevel=3,
     )
+
+
+def target_attention(tc) -> tuple[int, int, int]:
+    """``(query heads, key/value heads, head_dim)`` a random head takes from the target's text config
+    ``tc``: the target's attention, or for a target without attention (Mamba2: state layers only)
+    heads of its ``head_dim`` (64 if none) across its hidden size."""
+    heads = getattr(tc, "num_attention_heads", None)
+    head_dim = getattr(tc, "head_dim", None) or (tc.hidden_size // heads if heads else 64)
+    heads = heads or tc.hidden_size // head_dim
+    return heads, getattr(tc, "num_key_value_heads", None) or heads, head_dim
 
 
 def layer_config(config_class, keys, config: dict, error, required=("hidden_size", "num_attention_heads", "intermediate_size")):

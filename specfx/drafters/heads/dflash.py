@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 from specfx.drafters.base import Drafter
-from specfx.drafters.heads.checkpoint import read_head, warn_engine_gaps, write_head
+from specfx.drafters.heads.checkpoint import read_head, target_attention, warn_engine_gaps, write_head
 from specfx.drafters.heads.dflash_head import (
     KIND,
     DFlashHead,
@@ -120,13 +120,12 @@ class DFlash(Drafter):
             ids = list(layer_ids)
         else:  # the reference's spread, kept inside a shallow target (it reaches below layer 0 under 5 layers)
             ids = [min(max(i, 0), layers - 1) for i in default_layer_ids(layers, num_layers)]
+        heads, kv_heads, head_dim = target_attention(tc)
         config = {
             "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
             "hidden_size": tc.hidden_size,
             "intermediate_size": getattr(tc, "intermediate_size", None) or 4 * tc.hidden_size,
-            "num_attention_heads": tc.num_attention_heads,
-            "num_key_value_heads": getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads,
-            "head_dim": getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
+            "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
             "hidden_act": "silu", "rms_norm_eps": float(getattr(tc, "rms_norm_eps", 1e-6)),
             "max_position_embeddings": getattr(tc, "max_position_embeddings", 2048),
             **rope_keys(tc), "attention_bias": False, "num_hidden_layers": num_layers,

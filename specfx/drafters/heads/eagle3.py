@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specfx.drafters.heads.checkpoint import read_head, warn_engine_gaps, write_head
+from specfx.drafters.heads.checkpoint import read_head, target_attention, warn_engine_gaps, write_head
 from specfx.drafters.heads.eagle3_checkpoint import engine_gaps, explicit_ids, load_head, resolve_taps
 from specfx.drafters.heads.eagle3_head import KIND, Eagle3Head
 from specfx.drafters.heads.eagle_base import EagleBase
@@ -138,8 +138,8 @@ class Eagle3(EagleBase):
                             ("num_key_value_heads", num_key_value_heads)):  # fmt: skip
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"Eagle3.random: {name} must be a positive int, got {value!r}.")
-        heads = num_attention_heads or tc.num_attention_heads
-        target_kv = getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads
+        target_heads, target_kv, head_dim = target_attention(tc)
+        heads = num_attention_heads or target_heads
         kv_heads = num_key_value_heads or (target_kv if target_kv <= heads and heads % target_kv == 0 else heads)
         if heads % kv_heads:
             raise ValueError(
@@ -155,7 +155,7 @@ class Eagle3(EagleBase):
             or getattr(tc, "n_inner", None) or 4 * tc.hidden_size,
             "num_attention_heads": heads,
             "num_key_value_heads": kv_heads,
-            "head_dim": getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
+            "head_dim": head_dim,
             "hidden_act": "silu", "rms_norm_eps": float(getattr(tc, "rms_norm_eps", 1e-6)),
             "max_position_embeddings": getattr(tc, "max_position_embeddings", 2048),
             **rope_keys(tc), "vocab_size": vocab, "draft_vocab_size": vd, "tie_word_embeddings": False,

@@ -15,7 +15,8 @@ import copy
 from torch import nn
 
 from specfx.model.capture import decoder_layer_names
-from specfx.model.masks import layer_pattern, mask_plan
+from specfx.model.masks import layer_pattern, mask_plan, state_only_layer_types
+from specfx.model.recurrent import state_layer_types
 
 __all__ = ["LAYER_OVERRIDES", "decoder_layer", "dense_llama_layer", "layer_type_and_pattern", "target_rotary"]
 
@@ -47,12 +48,39 @@ def target_rotary(model, owner: str):
     return rotary
 
 
-def _target_layer(model, owner: str) -> nn.Module:
-    """``model``'s first decoder layer (found generically, :func:`specfx.model.capture.decoder_layer_names`)."""
+def _target_layer(model, owner: str, attention: bool = False) -> nn.Module:
+    """``model``'s first decoder layer (found generically, :func:`specfx.model.capture.decoder_layer_names`);
+    with ``attention``, its first one with attention (``self_attn``), if any (a hybrid target's first
+    layers may keep recurrent state instead)."""
     try:
-        return model.get_submodule(decoder_layer_names(model)[0])
+        layers = [model.get_submodule(name) for name in decoder_layer_names(model)]
     except ValueError as e:
         raise ValueError(f"{owner}: {e} EAGLE heads reuse the target's decoder-layer class.") from None
+    with_attention = [layer for layer in layers if isinstance(getattr(layer, "self_attn", None), nn.Module)]
+    return (with_attention or layers)[0] if attention else layers[0]
+
+
+def _attention_layer_type(config, owner: str) -> None:
+    """Make ``config``'s layer 0 an attention layer where the target's is a stateful one (hybrid targets:
+    Qwen3-Next's first layers are gated delta nets): EAGLE's layer is the target's layer class with its
+    own KV, so it takes the target's first layer type that keeps KV only (decision 82). ValueError
+    when every layer type keeps state (an EAGLE layer would keep state of its own)."""
+    from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, LinearAttentionCacheLayerMixin
+
+    types = list(getattr(config, "layer_types", None) or [])
+    # HF's own mapping first: an attention target's config is never handed to DynamicCache here
+    if not types or not issubclass(DYNAMIC_LAYER_TYPE_MAPPING.get(types[0], object), LinearAttentionCacheLayerMixin):
+        return
+    stateful = state_layer_types(config)
+    attention = [t for t in types if t not in stateful | state_only_layer_types(config)]  # KV, no state
+    if not attention:
+        raise ValueError(
+            f"{owner}: every layer type of this target ({sorted(set(types))}) keeps recurrent or linear-attention "
+            f"state, and EAGLE-1's layer is the target's own layer class: it would keep state of its own. Use an "
+            f"EAGLE-3 or DFlash draft (attention layers of their own), Medusa heads or a draft model."
+        )
+    types[0] = attention[0]
+    config.layer_types = types
 
 
 def _head_layer(cls, config, model, owner: str) -> nn.Module:
@@ -75,7 +103,7 @@ def _head_layer(cls, config, model, owner: str) -> nn.Module:
         )
     layer.input_layernorm = nn.Identity()
     head_dim = getattr(getattr(layer, "self_attn", None), "head_dim", None)
-    target_dim = getattr(getattr(_target_layer(model, owner), "self_attn", None), "head_dim", None)
+    target_dim = getattr(getattr(_target_layer(model, owner, attention=True), "self_attn", None), "head_dim", None)
     if head_dim != target_dim:
         raise ValueError(
             f"{owner}: the head's attention has head_dim {head_dim} but the target's has {target_dim}; "
@@ -90,6 +118,7 @@ def decoder_layer(model, overrides: dict, owner: str) -> tuple[nn.Module, object
     config = copy.deepcopy(model.config.get_text_config())
     for key, value in overrides.items():
         setattr(config, key, value)
+    _attention_layer_type(config, owner)
     return _head_layer(type(_target_layer(model, owner)), config, model, owner), config
 
 

@@ -36,6 +36,8 @@ value leaving the last layer); anything but exactly one left is an error naming 
 
 Nothing is computed twice and no op changes, so the logits are bit for bit those of the
 untapped graph. A tapped value that a later op mutates in place is cloned where it is made.
+Outputs after the logits stay, after the taps: ``(logits, *tapped, *rest)`` (a stateful target's
+recorded mixer inputs, decision 82).
 Returns the number of taps. Not part of the default :data:`PIPELINE`: the runner applies it
 (through :func:`run_passes`) to its own captures of the target's forward.
 """
@@ -145,7 +147,7 @@ def hidden_taps(gm: fx.GraphModule, *, layer_names: list[str], taps) -> int:
     layer, by_layer = layer_map(nodes, layer_names, HiddenTapsError("the hidden taps need"))
     output = graph.output_node()
     outs = output.args[0]
-    logits = outs[0] if isinstance(outs, (tuple, list)) else outs
+    logits, *rest = outs if isinstance(outs, (tuple, list)) else (outs,)
 
     def leaving(i: int, into, what: str, residual) -> fx.Node:
         return _one([n for n in by_layer[i] if any(into(u) for u in n.users)], residual, what)
@@ -179,7 +181,7 @@ def hidden_taps(gm: fx.GraphModule, *, layer_names: list[str], taps) -> int:
             with graph.inserting_after(node):
                 found[tap] = graph.call_method("clone", (node,))
             found[tap].meta.update(node.meta)
-    output.args = ((logits, *(found[t] for t in taps)),)
+    output.args = ((logits, *(found[t] for t in taps), *rest),)
     graph.lint()
     gm.recompile()
     return len(taps)

@@ -207,8 +207,8 @@ def test_draft_mtp_on_a_model_without_mtp_layers_is_a_clear_error(model, match):
     [
         (a, match)
         for a, match in (
-            # admitted as a target (decision 79); its tiny config's MTP layers cannot be built, and
-            # built they would read the target's hidden states (refused with state)
+            # admitted as a target (decision 79); MTP refused on a stateful target (decision 82: its
+            # layers are the target's layer class, not verified with state)
             ("bailing_hybrid", r"MTP layer|hidden states"),
             # refused as targets, with the table's reason, MTP or not
             ("inkling_text", r"cannot speculate model type 'inkling_text' exactly"),

@@ -14,8 +14,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
+
 from specfx.config import AUTO, MAX_SPECULATIVE_TOKENS, SpecConfig, check_tree_k
 from specfx.drafters.base import branch_slots, shape_refusal
+from specfx.model.architectures import ARCHITECTURES
 from specfx.sampling.processors import GREEDY, Mode
 from specfx.trees.types import DynamicTree, TokenTree
 
@@ -223,6 +226,15 @@ def check_stateful(runner, drafter, config) -> None:
             f"{who}: MTP layers are built from the target's own decoder-layer class (a hybrid target's "
             f"may keep state of their own, which nothing rolls back) and none has been verified on such a "
             f"target yet. Use EAGLE-3, DFlash or Medusa heads, a draft model or draft='prompt_lookup'."
+        )
+    model_type = getattr(runner.model.config, "model_type", None)
+    oldest = getattr(ARCHITECTURES.get(model_type), "inductor_torch", "")
+    if config.compile and config.backend in ("specfx", "inductor") and oldest and torch.__version__ < oldest:
+        raise ValueError(
+            f"{who}: torch {torch.__version__}'s Inductor miscompiles the round of model type {model_type!r} "
+            f"(the compiled kernel corrupts memory; seen on the CPU with torch 2.11, and torch {oldest} compiles "
+            f"it correctly: decision 84). Upgrade torch to >= {oldest}, or pass backend='specfx_eager' (the "
+            f"same one round graph, run without Inductor) or compile=False to speculate()."
         )
     if config.compile and config.background_compile:
         raise ValueError(

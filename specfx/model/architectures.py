@@ -73,6 +73,7 @@ class ArchSpec:
     overrides: dict = field(default_factory=dict)
     if_causal: bool = False
     stateful: bool = False
+    inductor_torch: str = ""  # the oldest torch whose Inductor compiles this type's round correctly ("": any)
 
 
 def _s(features: str = "", **overrides) -> ArchSpec:
@@ -83,8 +84,13 @@ def _r(reason: str, **overrides) -> ArchSpec:
     return ArchSpec("refused", reason=reason, overrides=overrides)
 
 
-def _state(features: str, **overrides) -> ArchSpec:
-    return ArchSpec("supported", features, overrides=overrides, stateful=True)
+def _state(features: str, inductor_torch: str = "", **overrides) -> ArchSpec:
+    return ArchSpec("supported", features, overrides=overrides, stateful=True, inductor_torch=inductor_torch)
+
+
+# torch 2.11's Inductor corrupts memory in the CPU round of these mixers ("double free or corruption"
+# in the generated kernel; 2.13 compiles them correctly, decision 84): speculate() refuses the pair
+INDUCTOR_2_13 = {"kimi_linear", "bailing_hybrid", "mamba2", "bamba", "granitemoehybrid", "falcon_h1"}
 
 
 def _u(reason: str) -> ArchSpec:
@@ -252,6 +258,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     **{
         name: _state(
             f"{mixer}: static state buffers, snapshot before the verify forward, rollback by the mixers' single steps",
+            inductor_torch="2.13" if name in INDUCTOR_2_13 else "",
             **_STATE_TINY.get(name, {}),
         )
         for names, mixer in (

@@ -54,10 +54,11 @@ def tensor_rank(node) -> int | None:
 def infer_meta(node: fx.Node, like: fx.Node) -> None:
     """Give ``node`` (inserted by a pass) the meta of ``like`` (stack trace, module stack)
     and its own example value, computed from its inputs' fake values, so that later passes
-    can read its shape too. Left without a value when the inputs' values are not all known."""
+    can read its shape too. Left without a value when the inputs' values are not all known, or
+    when fake tensors cannot run the op (torch 2.11's matmul asks a symbolic-shaped tensor for its
+    numel under dynamic shapes; 2.13 runs it): a later pass then finds the shape unknown, never wrong."""
     node.meta.update({k: v for k, v in like.meta.items() if k not in (*META_KEYS, "tensor_meta")})
-    key = next((k for k in META_KEYS if k in like.meta), None)
-    _compute(node, key)
+    _compute_or_forget(node, next((k for k in META_KEYS if k in like.meta), None))
 
 
 def refresh_meta(node: fx.Node) -> None:
@@ -67,6 +68,10 @@ def refresh_meta(node: fx.Node) -> None:
     for k in META_KEYS:
         node.meta.pop(k, None)
     node.meta.pop("tensor_meta", None)
+    _compute_or_forget(node, key)
+
+
+def _compute_or_forget(node: fx.Node, key: str | None) -> None:
     try:
         _compute(node, key)
     except Exception:  # an op fake tensors cannot run: its shape stays unknown, never stale

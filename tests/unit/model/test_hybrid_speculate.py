@@ -178,7 +178,17 @@ def test_compiled_round_is_one_graph_and_equals_generate(model, one_thread):
 def test_inductor_round_is_one_graph_and_equals_generate(arch, one_thread):
     """The same with the default backend (Inductor, decision 78): the state buffers, the snapshot and
     the mixer steps' in-place writes compile into the round graph like the KV writes."""
-    _compiled_check(_model(arch), "specfx")
+    model = _model(arch)
+    oldest = ARCHITECTURES[arch].inductor_torch
+    if oldest and torch.__version__ < oldest:  # torch 2.11's Inductor corrupts memory here: refused (decision 84)
+        with pytest.raises(ValueError, match=rf"Inductor miscompiles the round of model type '{arch}'.*backend='specfx_eager'"):
+            specfx.speculate(model, draft="prompt_lookup", num_speculative_tokens=K, backend="specfx")
+        spec = specfx.speculate(model, draft="prompt_lookup", num_speculative_tokens=K, backend="specfx_eager")
+        ids = prompt(9, seed=1)
+        expected = model.generate(ids, max_new_tokens=8, do_sample=False)
+        assert torch.equal(spec.generate(ids, max_new_tokens=8, do_sample=False), expected)
+        return
+    _compiled_check(model, "specfx")
 
 
 @torch.no_grad()

@@ -218,20 +218,8 @@ REFUSED = {
         expert_layer_period=2,
         expert_layer_offset=1,
     ),
-    "falcon_h1": dict(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=32,
-        vocab_size=64,
-        mamba_d_ssm=32,
-        mamba_n_heads=2,
-        mamba_d_head=16,
-        mamba_d_state=4,
-    ),
-    # qwen3_next is admitted as a target since decision 76, falcon_h1 since 79 (both refused here as drafts;
-    # tests/unit/model/test_hybrid_speculate.py)
+    # qwen3_next and falcon_h1 run as targets (decisions 76, 79) and as draft models (81) since:
+    # tests/unit/model/test_hybrid_speculate.py, tests/unit/drafters/test_stateful_draft.py
     "xlnet": dict(d_model=32, n_layer=2, n_head=2, d_inner=32, vocab_size=64),
     "openai-gpt": dict(n_embd=32, n_layer=2, n_head=2, vocab_size=64),
 }

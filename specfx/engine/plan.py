@@ -227,6 +227,12 @@ def check_stateful(runner, drafter, config) -> None:
             f"may keep state of their own, which nothing rolls back) and none has been verified on such a "
             f"target yet. Use EAGLE-3, DFlash or Medusa heads, a draft model or draft='prompt_lookup'."
         )
+    if config.compile and config.background_compile:
+        raise ValueError(
+            f"{who}, recorded during a compiled round by hooks attached only while generate() runs: "
+            f"a round graph traced in the background could miss them. Leave background_compile unset "
+            f"(compiled in the foreground) or pass compile=False to speculate()."
+        )
     model_type = getattr(runner.model.config, "model_type", None)
     oldest = getattr(ARCHITECTURES.get(model_type), "inductor_torch", "")
     if config.compile and config.backend in ("specfx", "inductor") and oldest and torch.__version__ < oldest:
@@ -235,10 +241,4 @@ def check_stateful(runner, drafter, config) -> None:
             f"(the compiled kernel corrupts memory; seen on the CPU with torch 2.11, and torch {oldest} compiles "
             f"it correctly: decision 84). Upgrade torch to >= {oldest}, or pass backend='specfx_eager' (the "
             f"same one round graph, run without Inductor) or compile=False to speculate()."
-        )
-    if config.compile and config.background_compile:
-        raise ValueError(
-            f"{who}, recorded during a compiled round by hooks attached only while generate() runs: "
-            f"a round graph traced in the background could miss them. Leave background_compile unset "
-            f"(compiled in the foreground) or pass compile=False to speculate()."
         )

@@ -147,10 +147,11 @@ class DFlash(Drafter):
     def save(self, path: str | Path) -> Path:
         """Write the draft to directory ``path`` (config.json and model.safetensors) in z-lab's
         layout, which :class:`DFlash`, the reference's ``DFlashDraftModel.from_pretrained`` and the
-        DFlash loaders of vLLM and SGLang read (docs/ARCHITECTURE.md, decision 77, names their
-        files and commits): ``architectures`` ``["DFlashDraftModel"]``, the taps written explicitly
-        whenever they are known (the engines size ``fc`` from them), the base rotary frequency at
-        the top level. A :class:`~specfx.drafters.heads.checkpoint.HeadLayoutWarning` names the
+        DFlash loaders of vLLM and SGLang read (docs/ARCHITECTURE.md, decisions 77 and 85, name
+        their files and releases): ``architectures`` ``["DFlashDraftModel"]``, the taps written
+        explicitly whenever they are known (the engines size ``fc`` from them), the base rotary
+        frequency at the top level, ``n_predict`` = ``block_size - 1`` (vLLM's default
+        ``num_speculative_tokens``: the block specfx drafts with). A :class:`~specfx.drafters.heads.checkpoint.HeadLayoutWarning` names the
         engines that could not serve it as saved (see :func:`serving_gaps`)."""
         head = self.head
         config = dict(head.config)
@@ -165,6 +166,10 @@ class DFlash(Drafter):
             nested["target_layer_ids"] = list(ids)
         config["dflash_config"] = nested
         config["block_size"] = head.block_size
+        # vLLM reads no block_size: its block is the bonus token plus num_speculative_tokens masks, and
+        # with attention inside the block both ways a shorter block drafts other tokens than specfx's
+        # (always the whole block); n_predict is vLLM's default num_speculative_tokens, the trained one
+        config["n_predict"] = head.block_size - 1
         if isinstance(layers, int):
             config["num_target_layers"] = layers
         # one source per field: transformers' top-level copies, and vLLM's EAGLE-3 tap list, which it
@@ -178,8 +183,18 @@ class DFlash(Drafter):
             config.setdefault(key, value)
         config["torch_dtype"] = str(head.fc.weight.dtype).removeprefix("torch.")
         out = write_head(path, config, head.tensors())
-        warn_engine_gaps(KIND, out, serving_gaps(ids, layers))
+        warn_engine_gaps(KIND, out, serving_gaps(ids, layers, self._scaled_embedding()))
         return out
+
+    def _scaled_embedding(self) -> bool:
+        """Whether the bound target's input-embedding module returns other than its table's rows
+        (a scale inside it, as transformers' Gemma models have); False when unbound (unknown)."""
+        if self.target is None:
+            return False
+        embed = self.target.model.get_input_embeddings()
+        ids = torch.arange(min(8, embed.weight.shape[0]), device=embed.weight.device).unsqueeze(0)
+        with torch.no_grad():
+            return not torch.equal(embed(ids), torch.nn.functional.embedding(ids, embed.weight))
 
     # ----------------------------------------------------------------- binding
     def bind(self, target: ModelRunner) -> None:

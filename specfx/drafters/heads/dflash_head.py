@@ -73,12 +73,16 @@ def default_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int
     return [int(round(start + i * (end - start) / (num_draft_layers - 1))) for i in range(num_draft_layers)]
 
 
-def serving_gaps(layer_ids: list[int] | None, num_target_layers: int | None) -> dict[str, list[str]]:
+def serving_gaps(
+    layer_ids: list[int] | None, num_target_layers: int | None, scaled_embedding: bool = False
+) -> dict[str, list[str]]:
     """Why vLLM and SGLang could not serve a draft saved with these taps (engine -> reasons;
-    decision 77 of docs/ARCHITECTURE.md). Both capture the residual stream at a target layer's
-    *input* (tap i: the input of layer i + 1), not the reference's state for the last layer (its
-    output after the final norm); without ``target_layer_ids`` vLLM sizes ``fc`` by the draft's
-    own depth and SGLang takes the reference's default over ``num_target_layers``."""
+    decisions 77 and 85 of docs/ARCHITECTURE.md). Both capture the residual stream at a target
+    layer's *input* (tap i: the input of layer i + 1), not the reference's state for the last
+    layer (its output after the final norm); without ``target_layer_ids`` vLLM sizes ``fc`` by the
+    draft's own depth and SGLang takes the reference's default over ``num_target_layers``.
+    ``scaled_embedding``: the bound target's input-embedding module scales what it looks up
+    (Gemma's sqrt(hidden_size) in transformers), which both engines leave out of the block."""
     reasons: list[str] = []
     if layer_ids is None:
         reasons.append(
@@ -90,6 +94,14 @@ def serving_gaps(layer_ids: list[int] | None, num_target_layers: int | None) -> 
             f"target_layer_ids {layer_ids} taps the last target layer ({num_target_layers - 1}): the reference reads "
             f"its output after the target's final norm, these engines the residual stream at a layer's input (tap i: "
             f"the input of layer i + 1), which has no final norm and no layer after the last; train on taps below it."
+        )
+    if scaled_embedding:
+        reasons.append(
+            "the target's input-embedding module scales the embeddings it looks up (Gemma's sqrt(hidden_size) in "
+            "transformers); specfx and the reference embed the draft's block through that module, these engines "
+            "with the target's raw embedding table (their Gemma models scale in the model's forward, not in the "
+            "table they share with the draft), so the block starts from other embeddings and drafts other tokens; "
+            "no config field changes that."
         )
     return {"vLLM": reasons, "SGLang": list(reasons)}
 

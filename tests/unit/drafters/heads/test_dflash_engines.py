@@ -1,9 +1,10 @@
 """Train here, serve there: a DFlash draft saved by specfx is what vLLM's and SGLang's DFlash
-loaders read. Their rules (config keys, defaults, name mapping, what they refuse or drop) are
-restated in tests/unit/drafters/heads/dflash_engine_rules.py from their source at named commits;
-each test saves a draft, loads it by those rules and checks that every saved tensor lands in a
-parameter of its shape, that every parameter is filled, and that the engine reads the taps, the
-mask id, the block size, the rotary base and the (absent) causal mask specfx drafts with."""
+loaders read. Their loading rules (config keys, defaults, the registry entry, name mapping, what
+they refuse or drop) are restated in tests/unit/drafters/heads/dflash_engine_rules.py from their
+source (vLLM 0.33.0, SGLang 0.5.23; decisions 77 and 85); each test saves a draft, loads it by
+those rules and checks that every saved tensor lands in a parameter of its shape, that every
+parameter is filled, and that the engine reads the taps, the mask id, the block, the rotary base
+and the (absent) causal mask specfx drafts with."""
 
 import json
 import warnings
@@ -68,8 +69,10 @@ def _assert_served_as_drafted(target, drafter, path, taps=TAPS):
         assert held.read["rope_theta"] == target.config.rope_parameters["rope_theta"]
         if engine == "SGLang":
             assert held.read["block_size"] == drafter.head.block_size
-        else:
+        else:  # the registry's entry for the name, and the block specfx drafts by default
             assert held.read["architectures"] == ["DFlashDraftModel"]
+            assert held.read["model_class"] == ("qwen3_dflash", "DFlashQwen3ForCausalLM")
+            assert held.read["num_speculative_tokens"] == drafter.head.block_size - 1
 
 
 @pytest.mark.parametrize("num_layers", [1, 2])
@@ -115,6 +118,30 @@ def test_the_engines_refuse_what_they_cannot_serve(target, tmp_path):
             rules.vllm_dflash(tmp_path / case, LAYERS, target.config.hidden_size)
         held = rules.sglang_dflash(tmp_path / case, LAYERS)
         assert held.dropped and held.unfilled  # SGLang drops them without a word: garbage weights
+
+
+def test_vllm_resolves_the_saved_names_only(target, tmp_path):
+    """vLLM 0.33.0 serves the draft as DFlash only with ``method="dflash"`` (or "dflash" in the
+    path), finds the drafter class by the architecture EAGLEConfig keeps, and needs
+    ``num_speculative_tokens`` unless the config's ``n_predict`` gives it: without the saved
+    names the restated rules refuse, so the checks above can fail."""
+    drafter = DFlash.random(target, block_size=BLOCK, num_layers=2, layer_ids=TAPS[:2], seed=1)
+    drafter.save(tmp_path / "ok")
+    cfg, w = _read(tmp_path / "ok")
+    h = target.config.hidden_size
+    named = _write(tmp_path / "Qwen3-DFlash-b4", cfg, w)  # "dflash" in the path: the method is found
+    assert rules.vllm_dflash(named, LAYERS, h, method=None).read["model_class"][0] == "qwen3_dflash"
+    plain = _write(tmp_path / "plain", cfg, w)
+    with pytest.raises(EngineRefuses, match="draft_model"):  # no method, no "dflash" in the path
+        rules.vllm_dflash(plain, LAYERS, h, method=None)
+    assert rules.vllm_dflash(plain, LAYERS, h, num_speculative_tokens=2).read["num_speculative_tokens"] == 2
+    for case, change, match in [
+        ("qwen3-name", dict(architectures=["Qwen3ForCausalLM"]), "no registered DFlash architecture"),
+        ("no-n-predict", dict(n_predict=None), "num_speculative_tokens was not provided"),
+    ]:
+        bad = {k: v for k, v in {**cfg, **change}.items() if v is not None}
+        with pytest.raises(EngineRefuses, match=match):
+            rules.vllm_dflash(_write(tmp_path / case, bad, w), LAYERS, h)
 
 
 def test_a_tap_on_the_last_layer_warns_naming_both_engines(target, tmp_path):
@@ -169,3 +196,4 @@ def test_transformers_layout_is_saved_as_z_labs(target, tmp_path):
     _assert_served_as_drafted(target, drafter, tmp_path / "out", TAPS[:2])
     again = DFlash(tmp_path / "out")  # and specfx reads it back, the same weights
     assert all(torch.equal(v, again.head.state_dict()[k]) for k, v in drafter.head.state_dict().items())
+

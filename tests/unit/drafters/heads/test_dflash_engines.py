@@ -1,13 +1,17 @@
 """Train here, serve there: a DFlash draft saved by specfx is what vLLM's and SGLang's DFlash
-loaders read. Their loading rules (config keys, defaults, the registry entry, name mapping, what
-they refuse or drop) are restated in tests/unit/drafters/heads/dflash_engine_rules.py from their
-source (vLLM 0.33.0, SGLang 0.5.23; decisions 77 and 85); each test saves a draft, loads it by
-those rules and checks that every saved tensor lands in a parameter of its shape, that every
-parameter is filled, and that the engine reads the taps, the mask id, the block, the rotary base
-and the (absent) causal mask specfx drafts with."""
+loaders read, and drafts there what it drafts in specfx. Their loading rules (config keys,
+defaults, the registry entry, name mapping, what they refuse or drop) are restated in
+tests/unit/drafters/heads/dflash_engine_rules.py and their block forward (context KV, the block's
+layout, attention, which rows are sampled) in dflash_engine_forward.py, from their source (vLLM
+0.33.0, SGLang 0.5.23; decisions 77 and 85). The loading tests save a draft, load it by those rules
+and check that every saved tensor lands in a parameter of its shape, that every parameter is
+filled, and that the engine reads the taps, the mask id, the block, the rotary base and the
+(absent) causal mask specfx drafts with; the drafting tests run the loaded weights through the
+engines' forward, step by step on a persistent KV cache, and compare the logits with specfx's."""
 
 import json
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,6 +22,7 @@ from specfx.drafters.heads.dflash import DFlash
 from specfx.model.runner import ModelRunner
 from specfx.testing.tiny import tiny_causal_lm
 from tests.unit.drafters.heads import dflash_engine_rules as rules
+from tests.unit.drafters.heads.dflash_engine_forward import EngineDFlash
 from tests.unit.drafters.heads.engine_rules import EngineRefuses
 
 LAYERS = 6  # target layers
@@ -197,3 +202,135 @@ def test_transformers_layout_is_saved_as_z_labs(target, tmp_path):
     again = DFlash(tmp_path / "out")  # and specfx reads it back, the same weights
     assert all(torch.equal(v, again.head.state_dict()[k]) for k, v in drafter.head.state_dict().items())
 
+
+# ----------------------------------------------------------------------------- drafting numerics
+# Accepted proposals per round (K = BLOCK - 1 = 3): context steps of 1 to 4 tokens, so blocks'
+# mask KV sits at positions that later hold accepted tokens, and the engines must have rewritten it
+SCHEDULE = (0, 3, 1, 2, 0, 3, 1)
+PROMPT = 6
+SEQ = torch.randint(3, 128, (PROMPT + sum(n + 1 for n in SCHEDULE) + 1,), generator=torch.Generator().manual_seed(9))
+
+
+def _steps():
+    """(first context position, pending position L) of every round: the prompt, then each round's
+    pending token and its accepted proposals."""
+    out, start, pending = [(0, PROMPT)], PROMPT, PROMPT
+    for accepted in SCHEDULE:
+        start, pending = pending, pending + accepted + 1
+        out.append((start, pending))
+    return out
+
+
+@torch.no_grad()
+def _specfx_blocks(target, path, k: int) -> list[tuple[torch.Tensor, list[int]]]:
+    """specfx's DFlash drafter itself (``observe``, ``propose``) bound to ``target``, fed the
+    target's tapped states of the committed tokens of each step and the pending token: per round
+    the draft logits ``[k, V]`` (the LM head's output inside ``propose``) and the proposals."""
+    drafter, runner = DFlash(path), ModelRunner(target, "target")
+    runner.allocate(1, 64)
+    drafter.bind(runner)
+    drafter.allocate(1, 64)
+    hidden = target(SEQ[None], output_hidden_states=True).hidden_states
+    features = [hidden[int(tap.removeprefix("layer:"))] for tap in drafter.taps]  # taps "layer:i": hidden[i]
+    seen = []
+    hook = target.get_output_embeddings().register_forward_hook(lambda m, i, o: seen.append(o))
+    out = []
+    try:
+        for start, pending in _steps():
+            pos = torch.arange(start, pending)[None]
+            drafter.observe(None, tuple(f[:, start:pending] for f in features), pos, pos)
+            seen.clear()
+            proposals, _ = drafter.propose(SimpleNamespace(lengths=torch.tensor([pending]), tokens=SEQ[None], k=k))
+            (logits,) = seen
+            out.append((logits[0], proposals[0].tolist()))
+    finally:
+        hook.remove()
+    return out
+
+
+@torch.no_grad()
+def _engine_blocks(engine: str, target, path, **serve) -> list[torch.Tensor]:
+    """The same steps as the engine runs them: its loaded weights, the target layers it captures,
+    context rows then the block on one persistent KV cache; per round the sampled rows' logits."""
+    h = target.config.hidden_size
+    held = (
+        rules.vllm_dflash(path, LAYERS, h, **serve) if engine == "vLLM" else rules.sglang_dflash(path, LAYERS, **serve)
+    )
+    rows = held.read["num_speculative_tokens"] + 1 if engine == "vLLM" else held.read["block_size"]
+    hidden = target(SEQ[None], output_hidden_states=True).hidden_states
+    taps = torch.cat([hidden[i + 1][0] for i in held.read["taps"]], dim=-1)  # the input of layer i + 1
+    config = json.loads((path / "config.json").read_text())
+    run = EngineDFlash(
+        engine, held, config, target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    )
+    out = []
+    for start, pending in _steps():
+        run.store_context(taps[start:pending], torch.arange(start, pending))
+        out.append(run.block_logits(int(SEQ[pending]), pending - 1, rows, held.read["mask_token_id"]))
+    return out
+
+
+def _worst(ours, theirs, k: int) -> float:
+    return max((mine - got[:k]).abs().max().item() for (mine, _), got in zip(ours, theirs, strict=True))
+
+
+def _biased(target, path):
+    """A saved draft whose attention projections carry biases (the engines stack them too)."""
+    head = DFlash.random(target, block_size=BLOCK, num_layers=2, layer_ids=TAPS, seed=5).head
+    tensors = dict(head.tensors())
+    g = torch.Generator().manual_seed(6)
+    for i, layer in enumerate(head.layers):
+        for p in ("q", "k", "v", "o"):
+            rows = getattr(layer.self_attn, f"{p}_proj").weight.shape[0]
+            tensors[f"layers.{i}.self_attn.{p}_proj.bias"] = torch.randn(rows, generator=g) * 0.1
+    DFlash(_write(path / "src", dict(head.config, attention_bias=True), tensors)).save(path)
+    return path
+
+
+@pytest.mark.parametrize("engine", ["vLLM", "SGLang"])
+@pytest.mark.parametrize("biases", [False, True])
+def test_the_engines_draft_what_specfx_drafts(target, tmp_path, engine, biases, one_thread):
+    """Served as saved (vLLM's block from ``n_predict``, SGLang's from ``block_size``), every
+    round's draft logits equal specfx's and so do the greedy proposals."""
+    if biases:
+        _biased(target, tmp_path)
+    else:
+        DFlash.random(target, block_size=BLOCK, num_layers=2, layer_ids=TAPS, seed=4).save(tmp_path)
+    ours, theirs = _specfx_blocks(target, tmp_path, BLOCK - 1), _engine_blocks(engine, target, tmp_path)
+    assert _worst(ours, theirs, BLOCK - 1) < 1e-5
+    assert [got[: BLOCK - 1].argmax(-1).tolist() for got in theirs] == [p for _, p in ours]
+
+
+def test_a_causal_block_drafts_otherwise_and_the_comparison_sees_it(target, tmp_path, one_thread):
+    """Negative control: the same weights with ``is_causal: true`` in the config (which both
+    engines honour and specfx never writes) give other logits, by far more than the tolerance."""
+    DFlash.random(target, block_size=BLOCK, num_layers=2, layer_ids=TAPS, seed=4).save(tmp_path / "ok")
+    cfg, w = _read(tmp_path / "ok")
+    causal = _write(tmp_path / "causal", dict(cfg, is_causal=True), w)
+    ours = _specfx_blocks(target, tmp_path / "ok", BLOCK - 1)
+    for engine in ("vLLM", "SGLang"):
+        assert _worst(ours, _engine_blocks(engine, target, causal), BLOCK - 1) > 1e-3
+
+
+def test_vllm_with_fewer_speculative_tokens_drafts_a_shorter_block(target, tmp_path, one_thread):
+    """vLLM's block is 1 + num_speculative_tokens rows whatever the draft was trained on; specfx
+    (as the reference) always runs the whole block and keeps the first K proposals. Attention
+    inside the block goes both ways, so at K < block_size - 1 vLLM's drafts differ; SGLang's block
+    is the config's block_size and equals specfx's at any K."""
+    DFlash.random(target, block_size=BLOCK, num_layers=2, layer_ids=TAPS, seed=4).save(tmp_path)
+    ours = _specfx_blocks(target, tmp_path, 1)
+    assert _worst(ours, _engine_blocks("vLLM", target, tmp_path, num_speculative_tokens=1), 1) > 1e-3
+    assert _worst(ours, _engine_blocks("SGLang", target, tmp_path), 1) < 1e-5
+
+
+def test_a_target_that_scales_its_embeddings_drafts_otherwise_and_the_save_says_so(tmp_path, one_thread):
+    """transformers' Gemma embedding module multiplies by sqrt(hidden_size); specfx and the
+    reference embed the block through it, the engines with the raw table: other drafts, and a
+    save bound to such a target warns naming both engines."""
+    gemma = tiny_causal_lm("gemma2", num_layers=LAYERS)
+    drafter = DFlash.random(gemma, block_size=BLOCK, num_layers=2, layer_ids=TAPS, seed=4)
+    drafter.bind(ModelRunner(gemma, "target"))
+    (message,) = _save(drafter, tmp_path)
+    assert "vLLM" in message and "SGLang" in message and "input-embedding module scales" in message
+    ours = _specfx_blocks(gemma, tmp_path, BLOCK - 1)
+    assert _worst(ours, _engine_blocks("vLLM", gemma, tmp_path), BLOCK - 1) > 1e-3

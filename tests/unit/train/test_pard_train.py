@@ -16,6 +16,7 @@ from specfx.model.load import load_causal_lm
 from specfx.testing.tiny import tiny_causal_lm
 from specfx.train import main
 from specfx.train.pard import cod_keep, default_mask_token, pard_layout
+from tests.unit.drafters.pard_engine_layout import parallel_drafting_token_id
 
 DEMO_TARGET = Path(__file__).resolve().parents[3] / "specfx" / "demo" / "demo_pair" / "target"
 
@@ -177,27 +178,13 @@ def test_pard_from_init_keeps_the_family_and_the_mask_token(one_thread, tiny_dir
     assert "occurs" in capsys.readouterr().out
 
 
-def _vllm_parallel_drafting_token(config: dict) -> int:
-    """vLLM's mask id for parallel drafting (vllm/v1/spec_decode/llm_base_proposer.py @
-    00c4f22dae4795e34658bead82fa071e6bb7ae39, ``_init_parallel_drafting_params``): the first of
-    ``dflash_config["mask_token_id"]``, a top-level ``mask_token_id`` (not None),
-    ``dspark_noise_token_id``, ``pard_token``, ``ptd_token_id`` present in the draft's config."""
-    if "mask_token_id" in (config.get("dflash_config") or {}):
-        return config["dflash_config"]["mask_token_id"]
-    if config.get("mask_token_id") is not None:
-        return config["mask_token_id"]
-    for key in ("dspark_noise_token_id", "pard_token", "ptd_token_id"):
-        if key in config:
-            return config[key]
-    raise AssertionError("vLLM: no token id for parallel drafting")
-
-
 @pytest.mark.parametrize("conflicting", [False, True])
 def test_a_saved_pard_draft_is_what_vllm_serves(one_thread, tmp_path, conflicting):
     """vLLM runs PARD as ``method="draft_model"`` with ``parallel_drafting`` (vllm/config/
-    speculative.py @ 002e77c1f0ef9b19cff8b9e21cfbd6feb3d6b443): the draft is an ordinary causal LM
-    in transformers' layout, of the target's vocabulary size (``verify_equal_vocab_size_if_draft_model``),
-    whose config names the mask id it reads (above)."""
+    speculative.py @ 002e77c1f0ef9b19cff8b9e21cfbd6feb3d6b443, and in vLLM 0.33.0): the draft is an
+    ordinary causal LM in transformers' layout, of the target's vocabulary size
+    (``verify_equal_vocab_size_if_draft_model``), whose config names the mask id vLLM reads
+    (tests/unit/drafters/pard_engine_layout.py; what it drafts there: test_pard_engines.py)."""
     from transformers import AutoModelForCausalLM
 
     from specfx.model.runner import ModelRunner
@@ -210,7 +197,7 @@ def test_a_saved_pard_draft_is_what_vllm_serves(one_thread, tmp_path, conflictin
         head.module.config.mask_token_id = 5
     path = head.save(tmp_path)
     cfg = json.loads((path / "config.json").read_text())
-    assert _vllm_parallel_drafting_token(cfg) == 200 and cfg["pard_token"] == 200 and cfg["spd_type"] == "pard"
+    assert parallel_drafting_token_id(cfg) == 200 and cfg["pard_token"] == 200 and cfg["spd_type"] == "pard"
     assert cfg["vocab_size"] == target.config.vocab_size and cfg["architectures"] == ["LlamaForCausalLM"]
     # the rotary base where readers on transformers 4 look, equal to transformers 5's
     assert cfg["rope_theta"] == cfg["rope_parameters"]["rope_theta"] == target.config.rope_parameters["rope_theta"]

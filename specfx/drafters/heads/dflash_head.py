@@ -79,7 +79,8 @@ def serving_gaps(
     """Why vLLM and SGLang could not serve a draft saved with these taps (engine -> reasons;
     decisions 77 and 85 of docs/ARCHITECTURE.md). Both capture the residual stream at a target
     layer's *input* (tap i: the input of layer i + 1), not the reference's state for the last
-    layer (its output after the final norm); without ``target_layer_ids`` vLLM sizes ``fc`` by the
+    layer (its output after the final norm: vLLM 0.33.0 reads it before that norm, SGLang not at
+    all); without ``target_layer_ids`` vLLM sizes ``fc`` by the
     draft's own depth and SGLang takes the reference's default over ``num_target_layers``.
     ``scaled_embedding``: the bound target's input-embedding module scales what it looks up
     (Gemma's sqrt(hidden_size) in transformers), which both engines leave out of the block."""
@@ -93,7 +94,9 @@ def serving_gaps(
         reasons.append(
             f"target_layer_ids {layer_ids} taps the last target layer ({num_target_layers - 1}): the reference reads "
             f"its output after the target's final norm, these engines the residual stream at a layer's input (tap i: "
-            f"the input of layer i + 1), which has no final norm and no layer after the last; train on taps below it."
+            f"the input of layer i + 1), which has no final norm (vLLM 0.33.0 captures the last layer's output before "
+            f"the final norm, so it drafts from other states; SGLang captures nothing past the last layer and "
+            f"refuses the draft's fc); train on taps below it."
         )
     if scaled_embedding:
         reasons.append(

@@ -129,10 +129,11 @@ def _fill(held: Held, name: str, shard, tensor, engine: str) -> None:
     held.tensors.setdefault(name, {})[shard] = tensor
 
 
-def _captured(ids_plus_one: list[int], num_target_layers: int) -> list[int]:
+def _captured(ids_plus_one: list[int], num_target_layers: int, after_last: bool = False) -> list[int]:
     """The target layers whose output the engine captures (the input of layer ``idx`` for each
-    ``idx`` it was given, in layer order), as output-of-layer ids."""
-    return [idx - 1 for idx in range(num_target_layers) if idx in ids_plus_one]
+    ``idx`` it was given, in layer order; ``after_last``: also the last layer's output, before
+    the final norm, for ``idx`` = the layer count), as output-of-layer ids."""
+    return [idx - 1 for idx in range(num_target_layers + after_last) if idx in ids_plus_one]
 
 
 def _read(directory: Path) -> tuple[dict, dict]:
@@ -181,7 +182,10 @@ def vllm_dflash(
     aux = c.get("eagle_aux_hidden_state_layer_ids") or [i + 1 for i in (nested.get("target_layer_ids") or [])]
     n = len(aux) if aux else c["num_hidden_layers"]
     held = Held(expected=_params(c, (c.get("target_hidden_size") or c["hidden_size"]) * n))
-    taps = _captured(aux, num_target_layers)
+    # vLLM 0.33.0 (model_executor/models/interfaces.py _maybe_add_hidden_state, called in llama.py's
+    # forward after every layer): layer idx's input, and for idx = L the last layer's output before
+    # the final norm (the reference reads that one after it)
+    taps = _captured(aux, num_target_layers, after_last=True)
     if len(taps) * target_hidden != held.expected["fc.weight"][None][1]:  # combine_hidden_states' check
         raise EngineRefuses(f"vLLM: the target captures {len(taps)} states for aux layers {aux}, fc takes {n}")
     if "mask_token_id" in nested:
@@ -198,7 +202,8 @@ def vllm_dflash(
         for i in range(c["num_hidden_layers"])
     ]  # fmt: skip
     held.read = dict(architectures=archs, model_class=registered[0], taps=taps, mask_token_id=mask, causal=causal,
-                     rope_theta=c.get("rope_theta"), num_speculative_tokens=num_speculative_tokens)  # fmt: skip
+                     rope_theta=c.get("rope_theta"), num_speculative_tokens=num_speculative_tokens,
+                     before_final_norm=[i for i in taps if i == num_target_layers - 1])  # fmt: skip
     for name, tensor in tensors.items():
         if "t2d" in name or "d2t" in name or "lm_head" in name or "embed_tokens" in name:
             held.dropped.append(name)  # not the draft model's (d2t: a parameter of its own)

@@ -151,8 +151,9 @@ class DFlash(Drafter):
         their files and releases): ``architectures`` ``["DFlashDraftModel"]``, the taps written
         explicitly whenever they are known (the engines size ``fc`` from them), the base rotary
         frequency at the top level, ``n_predict`` = ``block_size - 1`` (vLLM's default
-        ``num_speculative_tokens``: the block specfx drafts with). A :class:`~specfx.drafters.heads.checkpoint.HeadLayoutWarning` names the
-        engines that could not serve it as saved (see :func:`serving_gaps`)."""
+        ``num_speculative_tokens``: the block specfx drafts with). A
+        :class:`~specfx.drafters.heads.checkpoint.HeadLayoutWarning` names the engines that could
+        not serve it as saved (see :func:`serving_gaps`)."""
         head = self.head
         config = dict(head.config)
         layers = self.target.num_layers if self.target is not None else head.fields["num_target_layers"]

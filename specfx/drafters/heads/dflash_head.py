@@ -80,8 +80,8 @@ def serving_gaps(
     decisions 77 and 85 of docs/ARCHITECTURE.md). Both capture the residual stream at a target
     layer's *input* (tap i: the input of layer i + 1), not the reference's state for the last
     layer (its output after the final norm: vLLM 0.33.0 reads it before that norm, SGLang not at
-    all); without ``target_layer_ids`` vLLM sizes ``fc`` by the
-    draft's own depth and SGLang takes the reference's default over ``num_target_layers``.
+    all); without ``target_layer_ids`` vLLM sizes ``fc`` by the draft's own depth and SGLang takes
+    the reference's default over ``num_target_layers``.
     ``scaled_embedding``: the bound target's input-embedding module scales what it looks up
     (Gemma's sqrt(hidden_size) in transformers), which both engines leave out of the block."""
     reasons: list[str] = []

@@ -1,4 +1,4 @@
-"""Block drafters (PARD; DFlash to come) against the other drafters on SmolLM2-135M-Instruct (issue 28
+"""Block drafters (PARD, DFlash) against the other drafters on SmolLM2-135M-Instruct (issue 28
 item 4): one run, same prompts, greedy, side by side, then where a block drafter's round spends
 its time.
 
@@ -6,14 +6,14 @@ Part 1 is ``specfx bench suite`` (:mod:`specfx.bench.tasks.suite`: warm-up, inte
 medians, every greedy output checked token for token against HF ``generate()``) over the given
 generators: HF ``generate()``, HF prompt lookup (batch 1), and one specfx generator per
 ``--drafters`` item: ``default`` (prompt lookup, "auto" K), ``NAME:ARG`` (``draft="NAME:ARG"``,
-"auto" K) or ``...@K`` (a fixed K). Any drafter name specfx knows works, so DFlash joins as
-``dflash:DIR`` once it exists. The tables give per category tokens/s ratios to HF ``generate()``
+"auto" K) or ``...@K`` (a fixed K). Any drafter name specfx knows works (``dflash:DIR`` for a
+DFlash draft). The tables give per category tokens/s ratios to HF ``generate()``
 and to HF prompt lookup, τ (tokens per round) and the token check; ``suite.json`` keeps every time.
 
-Part 2, the round's split for each block drafter (``pard:``) at each fixed K of the run: eager
-forwards of the round's shapes after a prefill of ``--context`` tokens, timed alone (median of
-``--profile-repeats``): the draft's one forward over W + K tokens (W = K, its window, decision 72;
-logits at K positions), the target's verification over K + 1 tokens, and the target's plain
+Part 2, the round's split for each block drafter (``pard:``, ``dflash:``) at each fixed K of the
+run: eager forwards of the round's shapes after a prefill of ``--context`` tokens, timed alone
+(median of ``--profile-repeats``): the draft's one forward (PARD: over W + K tokens, W = K, its
+window, decision 72; DFlash: its whole block over the cached context; logits at K positions), the target's verification over K + 1 tokens, and the target's plain
 1-token step. (round = draft + verify) / step is the τ a round needs to pay back against plain
 decoding. Then the compiled rounds' times that "auto" measured in part 1 (t(K) per K): a
 block drafter's t(K) minus the default's (prompt lookup, whose draft costs next to nothing) is
@@ -47,7 +47,7 @@ from specfx.bench.harness import median_seconds, torch_threads
 from specfx.bench.tasks import suite
 from specfx.bench.tasks.suite_prompts import load_suite
 
-BLOCK_DRAFTERS = ("pard",)  # the drafters whose round is one draft forward over a block (part 2)
+BLOCK_DRAFTERS = ("pard", "dflash")  # the drafters whose round is one draft forward over a block (part 2)
 
 
 def parse_args(argv=None):
@@ -97,8 +97,35 @@ def forward_ms(model, context: torch.Tensor, tokens: torch.Tensor, keep: int, re
         return median_ms(step, repeats)
 
 
+def dflash_block_ms(head, model, ctx: torch.Tensor, k: int, repeats: int) -> float:
+    """One DFlash draft forward as its round runs it (``DFlash.propose``): the whole block
+    (the pending token and ``block_size - 1`` masks, embedded with the target's table) through
+    the draft layers over a cached context of ``ctx [B, P]``'s length, then the target's LM head
+    at K block positions. The context's keys and values (written by ``observe``, one entry a
+    verified token) are random here: their values do not change the time."""
+    from specfx.model.cache import SlotCache
+
+    b, p = ctx.shape
+    n, h = head.block_size, head.hidden_size
+    with torch.no_grad():
+        cache = SlotCache(len(head.layers), b, p + n + 1, ctx.device)
+        cache.slots = torch.arange(p).expand(b, -1)
+        head.write_context(torch.randn(b, p, h), cache.slots, cache)
+        embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
+        ids = torch.cat([ctx[:, -1:], torch.full((b, n - 1), head.mask_token_id)], 1)
+        positions = p + torch.arange(n).expand(b, -1)
+        visible = (torch.arange(cache.capacity) < p).expand(b, -1)
+
+        def step():
+            out = head.block(embed(ids), positions, cache, visible)
+            lm_head(out[:, 1 : 1 + k])
+
+        return median_ms(step, repeats)
+
+
 def block_profile(args, model, tokenizer, drafters: list[str]) -> list[str]:
     """Part 2: the eager draft / verify / step times of each block drafter at its fixed K."""
+    from specfx.drafters.heads.dflash import DFlash
     from specfx.model.load import load_causal_lm
 
     suite_prompts = load_suite()
@@ -107,7 +134,7 @@ def block_profile(args, model, tokenizer, drafters: list[str]) -> list[str]:
     lines = [
         f"round split (eager forwards, context {ids.shape[1]} tokens, median of {args.profile_repeats}; "
         "ms; need τ = (draft + verify) / step)",
-        "| drafter | B | K | draft (W+K tokens) | verify (K+1) | step (1) | draft/verify | need τ |",
+        "| drafter | B | K | draft (one forward) | verify (K+1) | step (1) | draft/verify | need τ |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     drafts = {}
@@ -115,19 +142,20 @@ def block_profile(args, model, tokenizer, drafters: list[str]) -> list[str]:
         spec, at, k = item.rpartition("@")
         if not at or spec.partition(":")[0] not in BLOCK_DRAFTERS:
             continue
-        path = spec.partition(":")[2]
-        draft = drafts.setdefault(path, load_causal_lm(path).eval())
-        mask = int(getattr(draft.config, "pard_token", 0))
+        kind, path = spec.partition(":")[::2]
         k = int(k)
         for b in map(int, args.batch_sizes.split(",")):
             ctx = ids.expand(b, -1)
-            window = torch.cat([ctx[:, -k - 1 :], torch.full((b, k - 1), mask)], 1)  # W = K, pending, K - 1 masks
-            d = forward_ms(draft, ctx[:, : -k - 1], window, k, args.profile_repeats)
+            if kind == "pard":
+                draft = drafts.setdefault(path, load_causal_lm(path).eval())
+                mask = int(getattr(draft.config, "pard_token", 0))
+                window = torch.cat([ctx[:, -k - 1 :], torch.full((b, k - 1), mask)], 1)  # W = K, pending, K - 1 masks
+                d = forward_ms(draft, ctx[:, : -k - 1], window, k, args.profile_repeats)
+            else:
+                d = dflash_block_ms(drafts.setdefault(path, DFlash(path).head), model, ctx, k, args.profile_repeats)
             v = forward_ms(model, ctx[:, : -k - 1], ctx[:, -k - 1 :], k + 1, args.profile_repeats)
             s = forward_ms(model, ctx[:, :-1], ctx[:, -1:], 1, args.profile_repeats)
-            lines.append(
-                f"| {spec.partition(':')[0]} | {b} | {k} | {d:.1f} | {v:.1f} | {s:.1f} | {d / v:.2f} | {(d + v) / s:.2f} |"
-            )
+            lines.append(f"| {kind} | {b} | {k} | {d:.1f} | {v:.1f} | {s:.1f} | {d / v:.2f} | {(d + v) / s:.2f} |")
     return lines
 
 

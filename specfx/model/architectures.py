@@ -63,7 +63,7 @@ class ArchSpec:
     (:func:`decodes_incrementally`); elsewhere refused by the probe and left out of :func:`supported`.
     ``stateful``: recurrent, linear-attention or other non-KV state (decisions 76, 79). On a supported
     row: supported as a target or a draft model with chain rounds only, eager or compiled (decisions
-    78, 81, 82; no trees, MTP or early exit), so left out of :func:`supported`'s generic matrix;
+    78, 81, 82; no trees or early exit, MTP only where ``mtp_layout`` names a layout, 86), so left out of :func:`supported`'s generic matrix;
     ``inductor_torch``: the oldest torch whose Inductor compiles the type's round correctly
     (decision 84; an older one is refused Inductor at ``speculate()``);
     ``tests/unit/model/test_hybrid_speculate.py`` checks them. On a refused row: ``speculate()`` refuses

@@ -99,7 +99,7 @@ class FcMtpLayers(nn.Module):
     :meth:`forward_layer` is one depth: what transformers' ``MtpLayer`` computes for DeepSeek-style
     layers, with this layout's shared fc and norms."""
 
-    def __init__(self, target, num_layers: int):
+    def __init__(self, target, num_layers: int, *, place: bool = True):
         super().__init__()
         decoder = target.get_decoder()
         config = copy.deepcopy(target.config.get_text_config(decoder=True))
@@ -114,7 +114,8 @@ class FcMtpLayers(nn.Module):
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
         self.layers = nn.ModuleList(layer(config, i) for i in range(num_layers))
         self.norm = norm(hidden, eps=eps)
-        self.to(device=target.device, dtype=target.dtype)
+        if place:  # else built on the meta device, its tensors assigned from a checkpoint
+            self.to(device=target.device, dtype=target.dtype)
         self.tie(target)
 
     def tie(self, target) -> None:
@@ -168,17 +169,18 @@ class FcMtpLayers(nn.Module):
                 f"embedding of their own are a layout specfx has not read (every checkpoint seen shares the target's)."
             )
         files = {k: f for k, f in (checkpoint_files(target) or {}).items() if k.startswith(PREFIX)}
-        layers = cls(target, n).eval()
-        tensors = _read(files)
-        tensors = _fold_experts(tensors, set(layers.state_dict()))
-        missing, unexpected = layers.load_state_dict(tensors, strict=False)
-        if missing or unexpected:
+        with torch.device("meta"):  # no initialisation of what the checkpoint overwrites (billions of expert weights)
+            layers = cls(target, n, place=False)
+        tensors = _fold_experts(_read(files), set(layers.state_dict()))
+        missing, unexpected = layers.load_state_dict(tensors, strict=False, assign=True)
+        unset = [name for name, t in layers.named_buffers() if t.is_meta]
+        if missing or unexpected or unset:
             raise ValueError(
                 f"draft='mtp': the checkpoint's MTP tensors do not match {n} MTP layer(s) of {name}'s layout "
                 f"(vLLM's Qwen3-Next/Qwen3.5 MTP): missing {sorted(PREFIX + k for k in missing)[:8]}, "
-                f"unexpected {sorted(PREFIX + k for k in unexpected)[:8]}."
+                f"unexpected {sorted(PREFIX + k for k in unexpected)[:8]}, buffers no checkpoint sets {unset[:8]}."
             )
-        return layers
+        return layers.to(device=target.device, dtype=target.dtype).eval()
 
     def checkpoint_tensors(self, per_expert: bool) -> dict[str, torch.Tensor]:
         """This module's tensors under their checkpoint names (``mtp.``...), experts one tensor

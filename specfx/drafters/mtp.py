@@ -166,7 +166,8 @@ def _no_mtp_error(model, why: str) -> ValueError:
     return ValueError(
         f"draft='mtp': {type(model).__name__} {why}. MTP drafting needs a checkpoint that carries "
         f"multi-token-prediction layers (DeepSeek-V3, GLM-4-MoE, Mellum, ... with num_mtp_layers in "
-        f"their config), or specfx.MTP(layers=...) with a transformers MtpModel built for this target. "
+        f"their config; Qwen3-Next, Qwen3.5 with mtp_num_hidden_layers and mtp.* tensors), or "
+        f"specfx.MTP(layers=...) with MTP layers built for this target. "
         f"Otherwise use draft='prompt_lookup', draft='early_exit:N' or a draft model."
     )
 

@@ -32,7 +32,6 @@ greedy output equals the target's, whatever the MTP layers predict.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 
@@ -41,6 +40,8 @@ import torch.nn.functional as F
 
 from specfx.drafters.base import TREE_DRAFTERS, Drafter
 from specfx.drafters.drafting import draft_chain, stash_at
+from specfx.drafters.mtp_fc import PREFIX, FcMtpLayers, checkpoint_files, fc_mtp_layer_count
+from specfx.model.architectures import ARCHITECTURES
 from specfx.model.cache import SlotCache
 from specfx.model.dynamo import mark_static
 from specfx.model.hf_names import cache_kwarg, mtp_weights_regex
@@ -48,6 +49,7 @@ from specfx.model.masks import check_attn_implementation, layer_pattern, to_form
 from specfx.model.runner import ModelRunner
 
 __all__ = ["MTP", "has_mtp", "mtp_layer_count", "mtp_support", "random_mtp_layers", "save_with_mtp_layers"]
+
 
 def mtp_support():
     """transformers' ``MtpModel`` class, or None when this transformers has no MTP support
@@ -59,8 +61,18 @@ def mtp_support():
     return MtpModel
 
 
+def mtp_layout(model) -> str:
+    """The MTP layout specfx builds for ``model``'s type itself (``ArchSpec.mtp_layout``:
+    ``"qwen3_next"``), or "" where transformers' ``MtpModel`` is the way (or none is)."""
+    config = model.config.get_text_config(decoder=True)
+    return getattr(ARCHITECTURES.get(getattr(config, "model_type", None)), "mtp_layout", "")
+
+
 def mtp_layer_count(model) -> int:
-    """``num_mtp_layers`` of the model's text config (0 when absent)."""
+    """MTP layers the model's config declares: ``num_mtp_layers`` of its text config, or for a
+    type with an ``mtp_layout`` that layout's count (0 when absent)."""
+    if mtp_layout(model):
+        return fc_mtp_layer_count(model.config)
     config = model.config.get_text_config()
     n = getattr(config, "num_mtp_layers", None)
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 0
@@ -69,32 +81,8 @@ def mtp_layer_count(model) -> int:
 def _checkpoint_keys(model) -> list[str] | None:
     """Tensor names of the model's safetensors checkpoint (local directory or the HF cache;
     never the network), read from the index or the file headers; None if not found."""
-    from safetensors import safe_open
-
-    path = getattr(model.config, "name_or_path", None) or getattr(model, "name_or_path", None)
-    if not path:
-        return None
-
-    def locate(filename):
-        if os.path.isdir(path):
-            f = os.path.join(path, filename)
-            return f if os.path.isfile(f) else None
-        try:
-            from huggingface_hub import try_to_load_from_cache
-        except ImportError:
-            return None
-        f = try_to_load_from_cache(path, filename)
-        return f if isinstance(f, str) else None
-
-    index = locate("model.safetensors.index.json")
-    if index is not None:
-        with open(index) as f:
-            return list(json.load(f).get("weight_map", {}))
-    single = locate("model.safetensors")
-    if single is None:
-        return None
-    with safe_open(single, framework="pt") as f:
-        return list(f.keys())
+    files = checkpoint_files(model)
+    return None if files is None else list(files)
 
 
 def _cannot_load_mtp(model) -> str | None:
@@ -111,6 +99,8 @@ def _cannot_load_mtp(model) -> str | None:
 
 
 def _checkpoint_has_mtp_weights(model) -> bool:
+    if mtp_layout(model):  # its fc is what every layer reads first
+        return PREFIX + "fc.weight" in (_checkpoint_keys(model) or ())
     try:
         pattern: re.Pattern = mtp_weights_regex(mtp_support(), model)
     except (ValueError, AttributeError, TypeError):
@@ -124,6 +114,8 @@ def has_mtp(model) -> bool:
     this model, the config declares MTP layers, and the checkpoint the model came from holds their
     weights. Cheap (config and safetensors headers only) and never raises."""
     try:
+        if mtp_layout(model):
+            return mtp_layer_count(model) > 0 and _checkpoint_has_mtp_weights(model)
         return (
             mtp_support() is not None
             and mtp_layer_count(model) > 0
@@ -139,7 +131,9 @@ def random_mtp_layers(target, num_layers: int, std: float = 0.3, seed: int = 0):
     MTP layers for tests and benchmarks of the machinery (their drafts are meaningless).
     ``MtpModel`` is meant to be loaded from a checkpoint, and its own init leaves e.g. fused
     expert weights uninitialised, hence the explicit values. ``target.config`` must declare
-    ``num_mtp_layers``."""
+    ``num_mtp_layers``. For a type with an ``mtp_layout``: :class:`FcMtpLayers` instead."""
+    if mtp_layout(target):
+        return FcMtpLayers.random(target, num_layers, std, seed)
     layers = mtp_support()(target, num_layers).eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -150,17 +144,21 @@ def random_mtp_layers(target, num_layers: int, std: float = 0.3, seed: int = 0):
 
 
 def save_with_mtp_layers(target, layers, directory) -> None:
-    """Save ``target`` to ``directory`` with ``layers`` (an ``MtpModel``) added to its
-    ``model.safetensors`` under ``mtp.``, the layout ``MtpModel.from_pretrained`` reads
-    (embedding and shared head are the target's, not saved twice). For tests and benchmarks."""
+    """Save ``target`` to ``directory`` with ``layers`` added to its ``model.safetensors`` under
+    ``mtp.``: an ``MtpModel`` in the layout ``MtpModel.from_pretrained`` reads (embedding and
+    shared head are the target's, not saved twice), or :class:`FcMtpLayers` in its checkpoint
+    layout, experts in the form the target's own layers were saved in. For tests and benchmarks."""
     from safetensors.torch import load_file, save_file
 
     target.save_pretrained(directory)
     file = os.path.join(directory, "model.safetensors")
     tensors = load_file(file)
-    for name, t in layers.state_dict().items():
-        if not name.startswith(("embed_tokens.", "shared_head.")):  # shared with the target
-            tensors["mtp." + name] = t.contiguous()
+    if isinstance(layers, FcMtpLayers):
+        tensors.update(layers.checkpoint_tensors(per_expert=any(".experts.0." in k for k in tensors)))
+    else:
+        for name, t in layers.state_dict().items():
+            if not name.startswith(("embed_tokens.", "shared_head.")):  # shared with the target
+                tensors["mtp." + name] = t.contiguous()
     save_file(tensors, file, metadata={"format": "pt"})
 
 
@@ -168,7 +166,8 @@ def _no_mtp_error(model, why: str) -> ValueError:
     return ValueError(
         f"draft='mtp': {type(model).__name__} {why}. MTP drafting needs a checkpoint that carries "
         f"multi-token-prediction layers (DeepSeek-V3, GLM-4-MoE, Mellum, ... with num_mtp_layers in "
-        f"their config), or specfx.MTP(layers=...) with a transformers MtpModel built for this target. "
+        f"their config; Qwen3-Next, Qwen3.5 with mtp_num_hidden_layers and mtp.* tensors), or "
+        f"specfx.MTP(layers=...) with MTP layers built for this target. "
         f"Otherwise use draft='prompt_lookup', draft='early_exit:N' or a draft model."
     )
 
@@ -178,21 +177,24 @@ class MTP(Drafter):
 
     Args:
         layers: a ``transformers.modeling_layers.MtpModel`` built for this target (e.g.
-            ``MtpModel(target, n)`` trained by you, or ``MtpModel.from_pretrained(target)``).
-            None (default, and ``draft="mtp"``): loaded from the target's checkpoint with
-            ``MtpModel.from_pretrained`` at ``speculate()`` time.
+            ``MtpModel(target, n)`` trained by you, or ``MtpModel.from_pretrained(target)``), or,
+            for a type whose table row names an MTP layout (Qwen3-Next, Qwen3.5), specfx's
+            :class:`~specfx.drafters.mtp_fc.FcMtpLayers` for this target.
+            None (default, and ``draft="mtp"``): loaded from the target's checkpoint at
+            ``speculate()`` time, by ``MtpModel.from_pretrained`` or, for such a type, by
+            :meth:`FcMtpLayers.from_checkpoint` (the ``mtp.*`` tensors transformers drops).
     """
 
     name = "mtp"
     taps = ("final",)  # the target's last hidden state, after its final norm
 
     def __init__(self, layers=None):
-        if layers is not None:
+        if layers is not None and not isinstance(layers, FcMtpLayers):
             mtp_model = mtp_support()
             if mtp_model is None or not isinstance(layers, mtp_model):
                 raise TypeError(
-                    f"MTP(layers=...) takes a transformers MtpModel (transformers.modeling_layers.MtpModel), "
-                    f"got {type(layers).__name__}."
+                    f"MTP(layers=...) takes a transformers MtpModel (transformers.modeling_layers.MtpModel) "
+                    f"or specfx.drafters.mtp_fc.FcMtpLayers, got {type(layers).__name__}."
                 )
         self.mtp = layers
         self.cache: SlotCache | None = None
@@ -206,15 +208,36 @@ class MTP(Drafter):
         return len(self.mtp.layers)
 
     # ----------------------------------------------------------------- setup
+    def stateful_target_refusal(self, model) -> str | None:
+        """Why these MTP layers cannot draft for ``model``, a target keeping recurrent state, or
+        None when they can: layers of a layout specfx builds (``ArchSpec.mtp_layout``) keep
+        attention KV only, whatever the target's mixers; transformers' ``MtpModel`` layers are the
+        target's decoder-layer class, which may keep state that nothing rolls back (decision 86)."""
+        if isinstance(self.mtp, FcMtpLayers) or (self.mtp is None and mtp_layout(model)):
+            return None
+        config = model.config.get_text_config(decoder=True)
+        reason = getattr(ARCHITECTURES.get(getattr(config, "model_type", None)), "mtp_reason", "")
+        if self.mtp is None and reason:
+            return f"draft='mtp' is refused on model type {config.model_type!r}: {reason}"
+        return (
+            "transformers' MTP layers (MtpModel) are built from the target's own decoder-layer class, whose "
+            "layers may keep state of their own that nothing rolls back, and no stateful type's MtpModel layers "
+            "have been verified; specfx builds MTP layers keeping attention KV only for the types whose table row "
+            "names an MTP layout (Qwen3-Next, Qwen3.5, Qwen3.5-MoE: ArchSpec.mtp_layout)"
+        )
+
     def bind(self, target: ModelRunner) -> None:
         model = target.model
+        if self.mtp is None and mtp_layout(model):
+            self.mtp = self._load_layout(model)
         mtp_model = mtp_support()
-        if mtp_model is None:
+        if mtp_model is None and not isinstance(self.mtp, FcMtpLayers):
             import transformers
 
             raise _no_mtp_error(
-                model, f"cannot use MTP with transformers {transformers.__version__}, which has no MTP support "
-                f"(transformers.modeling_layers.MtpModel); upgrade transformers"
+                model,
+                f"cannot use MTP with transformers {transformers.__version__}, which has no MTP support "
+                f"(transformers.modeling_layers.MtpModel); upgrade transformers",
             )
         if self.mtp is None:
             if mtp_layer_count(model) == 0:
@@ -233,13 +256,14 @@ class MTP(Drafter):
             if not _checkpoint_has_mtp_weights(model):
                 where = getattr(model.config, "name_or_path", "") or "(no checkpoint path)"
                 raise _no_mtp_error(
-                    model, f"declares {mtp_layer_count(model)} MTP layer(s) but its checkpoint {where!r} holds no "
-                    f"MTP weights (the model was not loaded from such a checkpoint, or it was saved without them)"
+                    model,
+                    f"declares {mtp_layer_count(model)} MTP layer(s) but its checkpoint {where!r} holds no "
+                    f"MTP weights (the model was not loaded from such a checkpoint, or it was saved without them)",
                 )
             self.mtp = mtp_model.from_pretrained(model, device_map={"": target.device}).eval()
         if self.mtp.training:
             raise ValueError(
-                "MTP(layers=...): the MtpModel is in training mode (dropout would change the drafts "
+                "MTP(layers=...): the MTP layers are in training mode (dropout would change the drafts "
                 "from call to call); call .eval() on it first."
             )
         head = getattr(self.mtp, "shared_head", None)
@@ -257,6 +281,23 @@ class MTP(Drafter):
         self.cache_kwarg = cache_kwarg(self.mtp.layers[0])  # "cache" from transformers 5.24 on
         self.target = target
         self.vocab = target.vocab_size
+
+    @staticmethod
+    def _load_layout(model) -> FcMtpLayers:
+        """The layers of ``model``'s table-row layout, from its checkpoint (clear errors otherwise)."""
+        if mtp_layer_count(model) == 0:
+            raise _no_mtp_error(
+                model, "has no MTP layers (its config sets no mtp_num_hidden_layers or num_nextn_predict_layers)"
+            )
+        if not _checkpoint_has_mtp_weights(model):
+            where = getattr(model.config, "name_or_path", "") or "(no checkpoint path)"
+            raise _no_mtp_error(
+                model,
+                f"declares {mtp_layer_count(model)} MTP layer(s) but its checkpoint {where!r} holds no "
+                f"MTP weights ({PREFIX}fc.weight; the model was not loaded from such a checkpoint, or it was saved "
+                f"without them)",
+            )
+        return FcMtpLayers.from_checkpoint(model)
 
     def allocate(self, batch_size: int, capacity: int) -> None:
         device = self.target.device
@@ -291,6 +332,11 @@ class MTP(Drafter):
         mtp = self.mtp
         self.cache.slots = slots
         embeds = mtp.embed_tokens(ids)
+        mask = self._mask(i, positions)
+        if isinstance(mtp, FcMtpLayers):  # a layout whose layers share the fc and norms; rope its own
+            return mtp.forward_layer(
+                i, embeds, hidden, positions, attention_mask=mask, **{self.cache_kwarg: self.cache}
+            )
         rope = None
         if mtp.rotary_emb is not None:
             kwargs = {"layer_type": self.layer_types[i]} if getattr(mtp, "has_per_layer_rope", False) else {}
@@ -299,7 +345,7 @@ class MTP(Drafter):
             embeds,
             hidden,
             position_embeddings=rope,
-            attention_mask=self._mask(i, positions),
+            attention_mask=mask,
             position_ids=positions,
             **{self.cache_kwarg: self.cache},
         )

@@ -56,7 +56,9 @@ class RoundShape:
         return cls(k, None, k, k, mode, collect)
 
     @classmethod
-    def of_tree(cls, tree: TokenTree | DynamicTree, branch: int = 0, mode: Mode = GREEDY, collect: bool = False) -> RoundShape:
+    def of_tree(
+        cls, tree: TokenTree | DynamicTree, branch: int = 0, mode: Mode = GREEDY, collect: bool = False
+    ) -> RoundShape:
         """A token-tree round; ``branch``: the query tokens a drafter's branch adds after the nodes."""
         return cls(tree.size, tree, tree.scratch_slots + branch, tree.depth, mode, collect)
 
@@ -201,7 +203,11 @@ def check_depth(config: SpecConfig, tree, drafter) -> None:
         return
     if max(config.k_values) > limit:
         auto = config.num_speculative_tokens == AUTO
-        asked = f"auto_k_values={config.auto_k_values}" if auto else f"num_speculative_tokens={config.num_speculative_tokens}"
+        asked = (
+            f"auto_k_values={config.auto_k_values}"
+            if auto
+            else f"num_speculative_tokens={config.num_speculative_tokens}"
+        )
         raise ValueError(
             f"speculate(): {asked} asks for up to {max(config.k_values)} proposals per round, but the "
             f"{drafter.name} drafter proposes at most {limit}; pass "
@@ -211,9 +217,9 @@ def check_depth(config: SpecConfig, tree, drafter) -> None:
 
 def check_stateful(runner, drafter, config) -> None:
     """ValueError for what a target with recurrent or linear-attention state cannot run yet
-    (decisions 76, 78 and 82: chain rounds, eager or compiled in the foreground, with a drafter that does
-    not run the target's layers, heads reading its hidden states included but not MTP; trees are
-    refused by the runner's own tree refusal)."""
+    (decisions 76, 78, 82 and 86: chain rounds, eager or compiled in the foreground, with a drafter that
+    does not run the target's layers, heads reading its hidden states included, MTP where its layers keep
+    attention KV only; trees are refused by the runner's own tree refusal)."""
     who = f"{runner.role} ({type(runner.model).__name__}) keeps recurrent or linear-attention state"
     if drafter.runs_target_layers:
         raise ValueError(
@@ -221,12 +227,10 @@ def check_stateful(runner, drafter, config) -> None:
             f"runs the target's layers, which would advance that state. Use a draft model or "
             f"draft='prompt_lookup'."
         )
-    if drafter.name == "mtp":  # the other drafters reading hidden states run exactly (decision 82)
-        raise ValueError(
-            f"{who}: MTP layers are built from the target's own decoder-layer class (a hybrid target's "
-            f"may keep state of their own, which nothing rolls back) and none has been verified on such a "
-            f"target yet. Use EAGLE-3, DFlash or Medusa heads, a draft model or draft='prompt_lookup'."
-        )
+    # the other drafters reading hidden states run exactly (decision 82); MTP where its layers keep KV only (86)
+    why = drafter.stateful_target_refusal(runner.model) if drafter.name == "mtp" else None
+    if why is not None:
+        raise ValueError(f"{who}: {why}. Use EAGLE-3, DFlash or Medusa heads, a draft model or draft='prompt_lookup'.")
     if config.compile and config.background_compile:
         raise ValueError(
             f"{who}, recorded during a compiled round by hooks attached only while generate() runs: "

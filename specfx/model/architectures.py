@@ -63,11 +63,15 @@ class ArchSpec:
     (:func:`decodes_incrementally`); elsewhere refused by the probe and left out of :func:`supported`.
     ``stateful``: recurrent, linear-attention or other non-KV state (decisions 76, 79). On a supported
     row: supported as a target or a draft model with chain rounds only, eager or compiled (decisions
-    78, 81, 82; no trees, MTP or early exit), so left out of :func:`supported`'s generic matrix;
+    78, 81, 82; no trees or early exit, MTP only where ``mtp_layout`` names a layout, 86), so left out of :func:`supported`'s generic matrix;
     ``inductor_torch``: the oldest torch whose Inductor compiles the type's round correctly
     (decision 84; an older one is refused Inductor at ``speculate()``);
     ``tests/unit/model/test_hybrid_speculate.py`` checks them. On a refused row: ``speculate()`` refuses
-    the type up front, in any role, quoting ``reason`` (what cannot be run exactly, why, what would fix it)."""
+    the type up front, in any role, quoting ``reason`` (what cannot be run exactly, why, what would fix it).
+    ``mtp_layout``: the layout of the MTP layers the type's checkpoints ship and transformers drops, which
+    specfx builds itself (:mod:`specfx.drafters.mtp_fc`; decision 86): ``draft="mtp"`` runs on such a type,
+    stateful or not, since the layout's layers keep attention KV only. ``mtp_reason``: why
+    ``draft="mtp"`` is refused on a stateful type whose checkpoints ship MTP layers (decision 86)."""
 
     status: str
     features: str = ""
@@ -76,6 +80,8 @@ class ArchSpec:
     if_causal: bool = False
     stateful: bool = False
     inductor_torch: str = ""  # the oldest torch whose Inductor compiles this type's round correctly ("": any)
+    mtp_layout: str = ""  # "qwen3_next": MTP layers specfx builds from the checkpoint's mtp.* tensors ("": none)
+    mtp_reason: str = ""  # why draft="mtp" is refused on this stateful type ("": the generic reason)
 
 
 def _s(features: str = "", **overrides) -> ArchSpec:
@@ -86,13 +92,40 @@ def _r(reason: str, **overrides) -> ArchSpec:
     return ArchSpec("refused", reason=reason, overrides=overrides)
 
 
-def _state(features: str, inductor_torch: str = "", **overrides) -> ArchSpec:
-    return ArchSpec("supported", features, overrides=overrides, stateful=True, inductor_torch=inductor_torch)
+def _state(
+    features: str, inductor_torch: str = "", mtp_layout: str = "", mtp_reason: str = "", **overrides
+) -> ArchSpec:
+    return ArchSpec(
+        "supported",
+        features,
+        overrides=overrides,
+        stateful=True,
+        inductor_torch=inductor_torch,
+        mtp_layout=mtp_layout,
+        mtp_reason=mtp_reason,
+    )
 
 
 # torch 2.11's Inductor corrupts memory in the CPU round of these mixers ("double free or corruption"
 # in the generated kernel; 2.13 compiles them correctly, decision 84): speculate() refuses the pair
 INDUCTOR_2_13 = {"kimi_linear", "bailing_hybrid", "mamba2", "bamba", "granitemoehybrid", "falcon_h1"}
+
+
+# MTP layers transformers drops (`mtp.*` ignored on load) that specfx builds from the target's own decoder-layer
+# class as a full-attention layer, laid out as vLLM loads them (decision 86; specfx/drafters/mtp_fc.py)
+MTP_LAYOUTS = dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"), "qwen3_next")
+MTP_REASONS = {
+    "bailing_hybrid": (
+        "its checkpoints keep the MTP layers after the decoder's (model.layers.{num_hidden_layers + i}.*: enorm, hnorm, "
+        "eh_proj, an MLA attention layer with MoE, final_layernorm; attention KV only, no state), which transformers "
+        "ignores on load and cannot build (its config has num_mtp_layers but no mtp_layer_types, so "
+        "get_mtp_config() refuses), and specfx has no layout for them yet"
+    ),
+    "olmo_hybrid": (
+        "transformers ignores its checkpoints' mtp.* tensors and its config declares no MTP layer count; specfx has "
+        "no layout for them (none has been read)"
+    ),
+}
 
 
 def _u(reason: str) -> ArchSpec:
@@ -261,6 +294,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         name: _state(
             f"{mixer}: static state buffers, snapshot before the verify forward, rollback by the mixers' single steps",
             inductor_torch="2.13" if name in INDUCTOR_2_13 else "",
+            mtp_layout=MTP_LAYOUTS.get(name, ""),
+            mtp_reason=MTP_REASONS.get(name, ""),
             **_STATE_TINY.get(name, {}),
         )
         for names, mixer in (

@@ -1,5 +1,7 @@
 """Tiny targets with random native MTP layers (DeepSeek-V3, GLM-4-MoE, Mellum), for tests and
-``specfx bench gpu_check``: ``mtp_target(arch, m)`` gives ``(target, mtp_layers)``, cached."""
+``specfx bench gpu_check``: ``mtp_target(arch, m)`` gives ``(target, mtp_layers)``, cached; and
+``fc_mtp_checkpoint(arch, m, directory)``: a tiny hybrid target (Qwen3-Next, Qwen3.5) saved with
+random MTP layers of its table row's layout and loaded back from that checkpoint (decision 86)."""
 
 from __future__ import annotations
 
@@ -7,8 +9,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from specfx.drafters import mtp as mtp_module
+from specfx.testing.tiny import STATEFUL_TINY, tiny_causal_lm
 
-__all__ = ["BUILT", "MTP_ARCHS", "hf_builds_mtp", "mtp_config", "mtp_target"]
+__all__ = ["BUILT", "MTP_ARCHS", "fc_mtp_checkpoint", "hf_builds_mtp", "mtp_config", "mtp_target"]
 
 _COMMON = dict(
     hidden_size=64, intermediate_size=128, num_attention_heads=4, num_hidden_layers=2, max_position_embeddings=256,
@@ -67,3 +70,21 @@ def mtp_target(arch: str, m: int, vocab: int = 128, seed: int = 0, **kw):
 
 
 BUILT = sorted(arch for arch in MTP_ARCHS if hf_builds_mtp(arch))  # where this transformers builds MTP layers
+
+
+def fc_mtp_checkpoint(arch: str, m: int, directory, vocab: int = 128, seed: int = 0):
+    """``(target, layers)``: a tiny ``arch`` (a type whose table row names an MTP layout) declaring
+    ``m`` MTP layers (``mtp_num_hidden_layers``), saved to ``directory`` with random MTP layers
+    under ``mtp.`` and loaded back from there (so ``draft="mtp"`` reads them from the checkpoint);
+    ``layers``: those random layers, tied to the loaded target. No EOS; the pad id (0) has a real
+    embedding, so only the 2-D mask hides padding, as in real checkpoints."""
+    target = tiny_causal_lm(arch, vocab_size=vocab, seed=seed, mtp_num_hidden_layers=m, **STATEFUL_TINY[arch])
+    with torch.no_grad():
+        target.get_input_embeddings().weight[0].normal_()
+    layers = mtp_module.random_mtp_layers(target, m, std=0.3, seed=seed + 1)
+    mtp_module.save_with_mtp_layers(target, layers, directory)
+    loaded = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="sdpa").eval()
+    loaded.generation_config.eos_token_id = None
+    loaded.generation_config.pad_token_id = 0
+    layers.tie(loaded)
+    return loaded, layers

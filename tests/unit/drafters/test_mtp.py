@@ -1,8 +1,9 @@
 """Native MTP heads (``draft="mtp"`` / ``specfx.MTP``) on tiny random configs of every
 architecture whose transformers implementation has MTP layers and whose target specfx can
 drive (DeepSeek-V3: MLA + MoE; GLM-4-MoE; Mellum: sliding-window MTP layer). The others
-(BailingHybrid, Inkling, Nemotron-H, DeepSeek-V4: recurrent/linear/hybrid state) are refused by
-the core as targets, which is tested too.
+(BailingHybrid, Inkling, Nemotron-H, DeepSeek-V4: recurrent/linear/hybrid state) are refused,
+which is tested too; Qwen3-Next and Qwen3.5, whose MTP layers transformers drops, are
+tests/unit/drafters/test_mtp_fc.py's (decision 86).
 
 The MTP layers are random (``MtpModel(target, m)``), so acceptance is low, but the drafts
 must be *exactly* HF's: the oracle test replays every round's committed prefix through HF's
@@ -12,7 +13,6 @@ An architecture's MTP layers run where the installed transformers builds them (M
 5.20 on; before, its config has no MTP layer types and ``MtpModel`` refuses it): elsewhere
 ``draft="mtp"`` is refused at ``speculate()``, which is tested instead.
 """
-
 
 import pytest
 import torch
@@ -191,7 +191,10 @@ def test_draft_mtp_is_refused_where_transformers_cannot_build_the_mtp_layers(arc
     ("model", "match"),
     [
         (lambda: tiny_causal_lm("llama"), r"has no MTP layers \(its config sets no num_mtp_layers\)"),
-        (lambda: mtp_target("deepseek_v3", 1)[0], r"declares 1 MTP layer\(s\) but its checkpoint .* holds no MTP weights"),
+        (
+            lambda: mtp_target("deepseek_v3", 1)[0],
+            r"declares 1 MTP layer\(s\) but its checkpoint .* holds no MTP weights",
+        ),
     ],
 )
 def test_draft_mtp_on_a_model_without_mtp_layers_is_a_clear_error(model, match):
@@ -207,9 +210,9 @@ def test_draft_mtp_on_a_model_without_mtp_layers_is_a_clear_error(model, match):
     [
         (a, match)
         for a, match in (
-            # admitted as a target (decision 79); MTP refused on a stateful target (decision 82: its
-            # layers are the target's layer class, not verified with state)
-            ("bailing_hybrid", r"MTP layer|hidden states"),
+            # admitted as a target (decision 79); MTP refused with its table row's reason (decision 86:
+            # transformers cannot build its MTP layers, and specfx has no layout for them)
+            ("bailing_hybrid", r"refused on model type 'bailing_hybrid': its checkpoints keep the MTP layers"),
             # refused as targets, with the table's reason, MTP or not
             ("inkling_text", r"cannot speculate model type 'inkling_text' exactly"),
             ("nemotron_h", r"cannot speculate model type 'nemotron_h' exactly"),
@@ -268,7 +271,14 @@ def test_tree_is_refused_mtp_drafts_a_chain(one_thread):
 @pytest.mark.compiled
 def test_compiled_greedy_equals_generate_and_stays_warm(one_thread):
     target, layers = mtp_target("deepseek_v3", 1)
-    spec = specfx.speculate(target, draft=specfx.MTP(layers=layers), num_speculative_tokens=2, compile=True, compile_prefill=True, background_compile=False)
+    spec = specfx.speculate(
+        target,
+        draft=specfx.MTP(layers=layers),
+        num_speculative_tokens=2,
+        compile=True,
+        compile_prefill=True,
+        background_compile=False,
+    )
     ids = prompt(6, batch=2, seed=1)
     assert torch.equal(spec.generate(ids, max_new_tokens=12), target.generate(ids, max_new_tokens=12))
     assert len(spec.graphs) == 2  # one prefill graph, one round graph (fullgraph: no breaks)

@@ -1,0 +1,243 @@
+"""MTP layers that transformers drops, built by specfx from the target's own classes and read
+from its checkpoint: the ``"qwen3_next"`` layout (``ArchSpec.mtp_layout``: Qwen3-Next, Qwen3.5,
+Qwen3.5-MoE; decision 86).
+
+transformers' classes of these types skip the checkpoint's ``mtp.*`` tensors
+(``_keys_to_ignore_on_load_unexpected``) and their configs declare no ``num_mtp_layers``, so its
+``MtpModel`` cannot build them. The layout is the one vLLM loads (``Qwen3NextMultiTokenPredictor``
+in vllm-project/vllm ``vllm/model_executor/models/qwen3_next_mtp.py`` @ ffdc9857,
+``Qwen3_5MultiTokenPredictor`` in ``qwen3_5_mtp.py`` @ 9a4f2b9f), restated::
+
+    mtp.pre_fc_norm_embedding   RMSNorm (the target's class) of the token's embedding   [B, T, H]
+    mtp.pre_fc_norm_hidden      RMSNorm of the previous depth's hidden state              [B, T, H]
+    mtp.fc                      Linear(2H -> H, no bias) over cat(embedding, hidden)      [B, T, 2H]
+    mtp.layers.{i}              the target's decoder layer built as a full-attention layer, index i
+    mtp.norm                    RMSNorm of the layer's output: the LM head's input and the next depth's hidden
+
+``fc`` and the three norms are shared by the layers; the embedding and LM head are the target's.
+A step's hidden input is the target's last hidden state after its final norm, then the step's own
+output. Layer counts: the config's ``mtp_num_hidden_layers`` (what Qwen ships), else
+``num_nextn_predict_layers``; every shipped checkpoint has one. Past the last layer specfx chains
+the last one on its own output (vLLM cycles ``layers[step % n]``: the same for n = 1).
+
+The norms are the target's own class (Qwen3-Next's and Qwen3.5's RMSNorm scale by ``1 + weight``),
+so no formula is restated here. Expert weights are read in either form a checkpoint holds them:
+one tensor per expert (``experts.{e}.gate_proj/up_proj/down_proj.weight``, how transformers saves
+these types) folded as transformers folds the target's own (its "qwen2_moe" conversion: experts
+stacked, gate then up concatenated), or already fused (``experts.gate_up_proj``).
+
+Only safetensors are read (headers, then the ``mtp.*`` tensors); nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+__all__ = ["FcMtpLayers", "checkpoint_files", "fc_mtp_layer_count"]
+
+PREFIX = "mtp."
+_PER_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def checkpoint_files(model) -> dict[str, str] | None:
+    """``{tensor name: safetensors file}`` of the checkpoint ``model`` was loaded from (a local
+    directory or the HF cache; never the network), from the index or the file's header; None if
+    no safetensors checkpoint is found."""
+    from safetensors import safe_open
+
+    path = getattr(model.config, "name_or_path", None) or getattr(model, "name_or_path", None)
+    if not path:
+        return None
+
+    def locate(filename):
+        if os.path.isdir(path):
+            f = os.path.join(path, filename)
+            return f if os.path.isfile(f) else None
+        try:
+            from huggingface_hub import try_to_load_from_cache
+        except ImportError:
+            return None
+        f = try_to_load_from_cache(path, filename)
+        return f if isinstance(f, str) else None
+
+    index = locate("model.safetensors.index.json")
+    if index is not None:
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map", {})
+        files = {name: locate(shard) for name, shard in weight_map.items()}
+        return {name: f for name, f in files.items() if f is not None}
+    single = locate("model.safetensors")
+    if single is None:
+        return None
+    with safe_open(single, framework="pt") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def fc_mtp_layer_count(config) -> int:
+    """MTP layers a config of this layout declares: ``mtp_num_hidden_layers``, else
+    ``num_nextn_predict_layers`` (0 when neither is a positive int)."""
+    config = config.get_text_config(decoder=True)
+    for field in ("mtp_num_hidden_layers", "num_nextn_predict_layers"):
+        n = getattr(config, field, None)
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            return n
+    return 0
+
+
+class FcMtpLayers(nn.Module):
+    """The ``"qwen3_next"`` MTP layout (module docstring) for ``target``: its state dict holds the
+    checkpoint's ``mtp.*`` tensors under their names less ``mtp.``; the embedding, LM head and
+    rotary embedding are the target's, shared and not owned (kept out of the state dict).
+
+    :meth:`forward_layer` is one depth: what transformers' ``MtpLayer`` computes for DeepSeek-style
+    layers, with this layout's shared fc and norms."""
+
+    def __init__(self, target, num_layers: int, *, place: bool = True):
+        super().__init__()
+        decoder = target.get_decoder()
+        config = copy.deepcopy(target.config.get_text_config(decoder=True))
+        # the target's decoder-layer class reads its mixer from layer_types[layer_idx]
+        config.num_hidden_layers = num_layers
+        config.layer_types = ["full_attention"] * num_layers
+        self.config = config
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        norm, layer = type(decoder.norm), type(decoder.layers[0])
+        self.pre_fc_norm_embedding = norm(hidden, eps=eps)
+        self.pre_fc_norm_hidden = norm(hidden, eps=eps)
+        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        self.layers = nn.ModuleList(layer(config, i) for i in range(num_layers))
+        self.norm = norm(hidden, eps=eps)
+        if place:  # else built on the meta device, its tensors assigned from a checkpoint
+            self.to(device=target.device, dtype=target.dtype)
+        self.tie(target)
+
+    def tie(self, target) -> None:
+        """Share ``target``'s embedding, LM head and rotary embedding (plain attributes: not
+        submodules, so neither in the state dict nor moved by ``.to()``)."""
+        object.__setattr__(self, "embed_tokens", target.get_input_embeddings())
+        object.__setattr__(self, "shared_head", target.get_output_embeddings())
+        object.__setattr__(self, "rotary_emb", getattr(target.get_decoder(), "rotary_emb", None))
+
+    def forward_layer(
+        self, i: int, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, **kwargs
+    ) -> torch.Tensor:
+        """Depth ``i``: ``embeds [B, T, H]`` (the tokens at q ``positions [B, T]``) and ``hidden
+        [B, T, H]`` (the previous depth at q - 1) -> ``[B, T, H]``, normed; ``kwargs`` go to the decoder
+        layer (mask, cache)."""
+        x = torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1)
+        rope = self.rope(embeds, positions)
+        return self.norm(self.layers[i](self.fc(x), position_embeddings=rope, position_ids=positions, **kwargs))
+
+    def rope(self, embeds: torch.Tensor, positions: torch.Tensor):
+        """The target's rotary embedding at ``positions [B, T]``, as its text model computes it: a
+        multimodal rope (Qwen3.5's, ``mrope_section``) gets the text positions on each of its three
+        grids (transformers 5.17's takes only those; later releases expand a 2-D input the same way)."""
+        if getattr(self.rotary_emb, "mrope_section", None) is not None:
+            positions = positions.unsqueeze(0).expand(3, -1, -1)  # [3, B, T]
+        return self.rotary_emb(embeds, positions)
+
+    # ----------------------------------------------------------------- building
+    @classmethod
+    def random(cls, target, num_layers: int, std: float = 0.3, seed: int = 0) -> FcMtpLayers:
+        """Seeded random matrices and norm weights perturbed around their initial values (so a norm
+        left out changes even the greedy drafts), in eval mode: layers for tests and benchmarks of
+        the machinery (their drafts are meaningless)."""
+        layers = cls(target, num_layers).eval()
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in layers.parameters():
+                noise = torch.randn(p.shape, generator=g)
+                p.copy_(noise * std if p.dim() >= 2 else p + noise * 0.2)
+        return layers
+
+    @classmethod
+    def from_checkpoint(cls, target) -> FcMtpLayers:
+        """The layers of the checkpoint ``target`` was loaded from (ValueError naming what is
+        missing or unexpected)."""
+        n = fc_mtp_layer_count(target.config)
+        name = type(target).__name__
+        if getattr(target.config.get_text_config(decoder=True), "mtp_use_dedicated_embeddings", False):
+            raise ValueError(
+                f"draft='mtp': {name}'s config sets mtp_use_dedicated_embeddings: MTP layers with an "
+                f"embedding of their own are a layout specfx has not read (every checkpoint seen shares the target's)."
+            )
+        files = {k: f for k, f in (checkpoint_files(target) or {}).items() if k.startswith(PREFIX)}
+        with torch.device("meta"):  # no initialisation of what the checkpoint overwrites (billions of expert weights)
+            layers = cls(target, n, place=False)
+        tensors = _fold_experts(_read(files), set(layers.state_dict()))
+        missing, unexpected = layers.load_state_dict(tensors, strict=False, assign=True)
+        unset = [name for name, t in layers.named_buffers() if t.is_meta]
+        if missing or unexpected or unset:
+            raise ValueError(
+                f"draft='mtp': the checkpoint's MTP tensors do not match {n} MTP layer(s) of {name}'s layout "
+                f"(vLLM's Qwen3-Next/Qwen3.5 MTP): missing {sorted(PREFIX + k for k in missing)[:8]}, "
+                f"unexpected {sorted(PREFIX + k for k in unexpected)[:8]}, buffers no checkpoint sets {unset[:8]}."
+            )
+        return layers.to(device=target.device, dtype=target.dtype).eval()
+
+    def checkpoint_tensors(self, per_expert: bool) -> dict[str, torch.Tensor]:
+        """This module's tensors under their checkpoint names (``mtp.``...), experts one tensor
+        per expert when ``per_expert`` (how transformers saves these types), else fused."""
+        tensors = {PREFIX + k: t.detach().contiguous() for k, t in self.state_dict().items()}
+        return _unfold_experts(tensors) if per_expert else tensors
+
+
+def _read(files: dict[str, str]) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    by_file = defaultdict(list)
+    for name, f in files.items():
+        by_file[f].append(name)
+    tensors = {}
+    for f, names in by_file.items():
+        with safe_open(f, framework="pt", device="cpu") as opened:
+            for name in names:
+                tensors[name[len(PREFIX) :]] = opened.get_tensor(name)
+    return tensors
+
+
+def _fold_experts(tensors: dict[str, torch.Tensor], module_keys: set[str]) -> dict[str, torch.Tensor]:
+    """Per-expert checkpoint tensors folded into the module's fused ones where it has them:
+    ``gate_up_proj [E, 2I, H]`` (expert e's gate rows, then its up rows) and ``down_proj [E, H, I]``."""
+    out, groups = {}, defaultdict(dict)
+    for k, t in tensors.items():
+        m = _PER_EXPERT.match(k)
+        if m and f"{m['experts']}.gate_up_proj" in module_keys:
+            groups[m["experts"]][int(m["e"]), m["proj"]] = t
+        else:
+            out[k] = t
+    for experts, parts in groups.items():
+        count = 1 + max(e for e, _ in parts)
+        need = [(e, p) for e in range(count) for p in ("gate_proj", "up_proj", "down_proj") if (e, p) not in parts]
+        if need:
+            raise ValueError(f"draft='mtp': the checkpoint lacks {PREFIX}{experts}.{need[0][0]}.{need[0][1]}.weight.")
+        out[f"{experts}.gate_up_proj"] = torch.stack(
+            [torch.cat([parts[e, "gate_proj"], parts[e, "up_proj"]]) for e in range(count)]
+        )
+        out[f"{experts}.down_proj"] = torch.stack([parts[e, "down_proj"] for e in range(count)])
+    return out
+
+
+def _unfold_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, t in tensors.items():
+        if k.endswith(".experts.gate_up_proj"):
+            base = k[: -len("gate_up_proj")]
+            for e, rows in enumerate(t):
+                gate, up = rows.chunk(2)
+                out[f"{base}{e}.gate_proj.weight"] = gate.contiguous()
+                out[f"{base}{e}.up_proj.weight"] = up.contiguous()
+        elif k.endswith(".experts.down_proj"):
+            base = k[: -len("down_proj")]
+            for e, rows in enumerate(t):
+                out[f"{base}{e}.down_proj.weight"] = rows.contiguous()
+        else:
+            out[k] = t
+    return out

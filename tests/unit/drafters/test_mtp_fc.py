@@ -218,6 +218,26 @@ def test_two_mtp_layers_greedy_equals_generate(checkpoint, one_thread):
     _assert_equal_generate(spec, target, ids, mask, 14)
 
 
+@pytest.mark.full
+@pytest.mark.compiled
+def test_inductor_round_is_one_graph_and_equals_generate(checkpoint, one_thread):
+    """Compiled with the default backend (Inductor): the MTP layers' draft steps and the target's tapped
+    verify forward that returns the mixers' inputs (decision 82) are one round graph per batch bucket;
+    batch 1, then two left-padded batches of one bucket, the second under ``error_on_recompile``, each
+    equal to ``generate()`` with rounds that accept some proposals and reject most. Qwen3-Next's round
+    compiles on torch 2.11 too (its row names no ``inductor_torch``, decision 84)."""
+    target, _ = checkpoint("qwen3_next")
+    spec = specfx.speculate(target, draft="mtp", num_speculative_tokens=3)
+    cases = (((prompt(9, vocab=VOCAB, seed=5), None), 12), (left_padded(10, [3, 0, 6], seed=2, vocab=VOCAB), 12))
+    cases = (*cases, (left_padded(12, [2, 0, 5], seed=4, vocab=VOCAB), 10))
+    for i, ((ids, mask), new) in enumerate(cases):
+        with torch._dynamo.config.patch(error_on_recompile=i == 2):
+            _assert_equal_generate(spec, target, ids, mask, new)
+        assert 0 < spec.stats.accepted < spec.stats.proposed, f"case {i}"
+    assert len(spec.graphs) == 2 and {g.compiler for g in spec.graphs} == {"inductor"}
+    assert all(not m._forward_pre_hooks for m in target.modules())
+
+
 # ----------------------------------------------------------------- (c) the round's proposals
 class _Recording(specfx.MTP):
     def propose(self, ctx):

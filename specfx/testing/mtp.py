@@ -72,13 +72,15 @@ def mtp_target(arch: str, m: int, vocab: int = 128, seed: int = 0, **kw):
 BUILT = sorted(arch for arch in MTP_ARCHS if hf_builds_mtp(arch))  # where this transformers builds MTP layers
 
 
-def fc_mtp_checkpoint(arch: str, m: int, directory, vocab: int = 128, seed: int = 0):
+def fc_mtp_checkpoint(arch: str, m: int, directory, vocab: int = 128, seed: int = 0, **overrides):
     """``(target, layers)``: a tiny ``arch`` (a type whose table row names an MTP layout) declaring
     ``m`` MTP layers (``mtp_num_hidden_layers``), saved to ``directory`` with random MTP layers
     under ``mtp.`` and loaded back from there (so ``draft="mtp"`` reads them from the checkpoint);
     ``layers``: those random layers, tied to the loaded target. No EOS; the pad id (0) has a real
-    embedding, so only the 2-D mask hides padding, as in real checkpoints."""
-    target = tiny_causal_lm(arch, vocab_size=vocab, seed=seed, mtp_num_hidden_layers=m, **STATEFUL_TINY[arch])
+    embedding, so only the 2-D mask hides padding, as in real checkpoints. ``overrides``: more config
+    fields for the target (e.g. ``initializer_range``), over its tiny row's."""
+    config = {**STATEFUL_TINY[arch], **overrides}
+    target = tiny_causal_lm(arch, vocab_size=vocab, seed=seed, mtp_num_hidden_layers=m, **config)
     with torch.no_grad():
         target.get_input_embeddings().weight[0].normal_()
     layers = mtp_module.random_mtp_layers(target, m, std=0.3, seed=seed + 1)

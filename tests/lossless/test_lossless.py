@@ -13,6 +13,7 @@ the negative control there is the tree walk with a deliberately biased residual.
 """
 
 import itertools
+import tempfile
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ from specfx.drafters.base import Drafter, TreeDrafting
 from specfx.drafters.heads.eagle3 import Eagle3
 from specfx.engine import tree_round
 from specfx.sampling.rng import sample_from
+from specfx.testing.mtp import fc_mtp_checkpoint
 from specfx.testing.tiny import STATEFUL_TINY, perturbed_copy, tiny_causal_lm
 from tests.conftest import tiered
 
@@ -270,7 +272,7 @@ def test_dflash_sampling_matches_exact_distribution(case):
 STATE_OPTIONS = dict(num_speculative_tokens=3, compile=False, min_capacity=16, prefill_buckets=(4,))
 
 
-def _stateful_samples(arch, kwargs, keep_every_input=False, stateful_draft=False, head=False):
+def _stateful_samples(arch, kwargs, keep_every_input=False, stateful_draft=False, head=False, mtp=False):
     """Speculative samples of the first NEW tokens after ``[1, 4, 2]`` from a tiny ``arch`` target
     with recurrent state (decision 76), drafted by a random attention-only model (rounds accept 0..3
     proposals, so the state is rolled back to each row's own n every round), and the generator's
@@ -278,22 +280,33 @@ def _stateful_samples(arch, kwargs, keep_every_input=False, stateful_draft=False
     the state (what a round without rollback does), after ``speculate()``'s probe has admitted it.
     ``stateful_draft``: drafted by a perturbed copy of the target instead, whose own state is rolled
     back every round too (decision 81). ``head``: drafted by a random EAGLE-3 head instead, reading
-    the target's hidden states (decision 82)."""
-    target = tiny_causal_lm(arch, vocab_size=V, eos_token_id=None, initializer_range=0.12, seed=3, **_STATEFUL[arch])
-    target.generation_config.eos_token_id = None
-    if stateful_draft:
-        draft = perturbed_copy(target, 0.15, seed=4)
-    else:
-        draft = tiny_causal_lm("llama", vocab_size=V, eos_token_id=None, initializer_range=0.12, seed=4)
-    if head:
-        draft = Eagle3.random(target, layer_ids=[0, 1, 1], seed=5)
-    spec = specfx.speculate(target, draft=draft, **STATE_OPTIONS)
+    the target's hidden states (decision 82). ``mtp``: the same target saved with random MTP layers of
+    its table row's layout and loaded back, drafted by them (``draft="mtp"``, decision 86)."""
+    config = dict(eos_token_id=None, initializer_range=0.12, **_STATEFUL[arch])
+    with tempfile.TemporaryDirectory() as directory:  # draft="mtp" reads the layers from the checkpoint
+        if mtp:
+            target, _ = fc_mtp_checkpoint(arch, 1, directory, vocab=V, seed=3, **config)
+        else:
+            target = tiny_causal_lm(arch, vocab_size=V, seed=3, **config)
+        target.generation_config.eos_token_id = None
+        draft = _stateful_draft(target, stateful_draft, head, mtp)
+        spec = specfx.speculate(target, draft=draft, **STATE_OPTIONS)
     if keep_every_input:
         real = spec.target_runner.roll_back_state
         spec.target_runner.roll_back_state = lambda n, tokens: real(torch.full_like(n, tokens), tokens)
     torch.manual_seed(1234)
     out = spec.generate(torch.tensor([[1, 4, 2]]).repeat(ROWS, 1), do_sample=True, max_new_tokens=NEW, pad_token_id=0, **kwargs)
     return target, out[:, 3:].tolist(), spec.stats
+
+
+def _stateful_draft(target, stateful_draft, head, mtp):
+    if mtp:
+        return "mtp"
+    if head:
+        return Eagle3.random(target, layer_ids=[0, 1, 1], seed=5)
+    if stateful_draft:
+        return perturbed_copy(target, 0.15, seed=4)
+    return tiny_causal_lm("llama", vocab_size=V, eos_token_id=None, initializer_range=0.12, seed=4)
 
 
 # one GDN hybrid (a gated-delta-net layer beside an attention layer) and Mamba2 (state only; its
@@ -344,4 +357,15 @@ def test_stateful_target_sampling_with_an_eagle3_head_matches_exact_distribution
     returns the mixers' inputs for the rollback."""
     target, samples, stats = _stateful_samples(arch, {}, head=True)
     assert 0.05 < stats.acceptance_rate < 0.95
+    assert _chisquare(samples, _exact(target, [1, 4, 2], LogitsProcessorList())) > 1e-3
+
+
+@pytest.mark.full
+def test_stateful_target_sampling_with_mtp_layers_matches_exact_distribution():
+    """The same drafted by the target's MTP layers (decision 86: specfx's ``FcMtpLayers``, read from the
+    checkpoint), which chain on the target's last hidden state from the tapped verify forward that
+    returns the mixers' inputs for the rollback."""
+    target, samples, stats = _stateful_samples("qwen3_next", {}, mtp=True)
+    assert 0.05 < stats.acceptance_rate < 0.95
+    assert stats.per_position[2] > 0  # some rounds accepted all three: every n occurs
     assert _chisquare(samples, _exact(target, [1, 4, 2], LogitsProcessorList())) > 1e-3

@@ -17,9 +17,12 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["GREEDY", "PLACEHOLDER", "Mode", "SamplingParams", "as_mode", "process_logits"]
+__all__ = ["GREEDY", "PLACEHOLDER", "TOPK_BOUND", "Mode", "SamplingParams", "as_mode", "process_logits"]
 
 PLACEHOLDER = 0  # fills tokens[B, K+1] past n_emitted; a valid id so nothing indexes out of range
+# top_k up to this takes the kth largest score from torch.topk over this many, not from a sort of the
+# whole vocabulary (HF's default top_k is 50; a sort of 49k scores cost ~5 ms a position on a CPU)
+TOPK_BOUND = 256
 
 
 @dataclass(frozen=True)
@@ -29,19 +32,24 @@ class Mode:
     ``sample``: sampling (warpers, q, the rejection sampler) or greedy (an argmax).
     ``penalty``: the repetition penalty stage runs (it needs ``[B, T, V]`` presence masks
     built from the row's history and the round's drafts); off when the penalty is 1.
-    ``warp``: the top-k/top-p stage runs (two sorts over the vocabulary per scored position);
-    off when top_k = 0 and top_p = 1, and always off when greedy (HF warps only when sampling).
-    Temperature and the minimum-length EOS mask are elementwise and always run (at their "off"
-    values they are exact no-ops), so their values never select a graph.
+    ``top_k``: the top-k stage: 0 off (top_k = 0); ``n > 0``: every call of the graph has
+    ``top_k <= n`` (:data:`TOPK_BOUND`), and the kth largest score comes from ``torch.topk`` over
+    ``n``; -1: any top_k, the kth largest from a sort of the vocabulary.
+    ``top_p``: the top-p stage runs (a sort of the vocabulary per scored position); off at top_p = 1.
+    Both warpers are off when greedy (HF warps only when sampling). Temperature and the
+    minimum-length EOS mask are elementwise and always run (at their "off" values they are exact
+    no-ops), so their values never select a graph.
     """
 
     sample: bool
     penalty: bool = True
-    warp: bool = True
+    top_k: int = -1
+    top_p: bool = True
 
     def __post_init__(self):
         if not self.sample:
-            object.__setattr__(self, "warp", False)
+            object.__setattr__(self, "top_k", 0)
+            object.__setattr__(self, "top_p", False)
 
     def __bool__(self):  # a Mode where a bool was expected is a bug, not "sampling"
         raise TypeError("Mode has no truth value: read mode.sample")
@@ -61,7 +69,7 @@ class SamplingParams:
 
     Every value lives in a device tensor of the round state (``RoundState.values``); only which
     stages run selects a graph (:meth:`mode`: greedy or sampling, the repetition penalty on or
-    off, the top-k/top-p sorts on or off), so temperature, top-k, top-p, the penalty and a
+    off, top-k by ``torch.topk``, by a sort or off, top-p on or off), so temperature, top-k, top-p, the penalty and a
     minimum length never change a compiled graph within a mode.
     """
 
@@ -89,7 +97,8 @@ class SamplingParams:
     def mode(self) -> Mode:
         """The graph this call needs: stages at their "off" value are left out of it."""
         v = self.device_values()
-        return Mode(self.do_sample, penalty=v["penalty"] != 1.0, warp=v["top_k"] != 0 or v["top_p"] < 1.0)
+        top_k = 0 if v["top_k"] == 0 else TOPK_BOUND if v["top_k"] <= TOPK_BOUND else -1
+        return Mode(self.do_sample, penalty=v["penalty"] != 1.0, top_k=top_k, top_p=v["top_p"] < 1.0)
 
 
 def process_logits(
@@ -122,14 +131,20 @@ def process_logits(
     if not mode.sample:
         return scores
     scores = scores / values["temperature"]
-    if not mode.warp:
+    if mode.top_k:  # HF's TopKLogitsWarper: keep the scores >= the kth largest (ties kept); 0 keeps all
+        top_k = values["top_k"]
+        if mode.top_k > 0:  # top_k <= n: the n largest, in descending order, hold the kth
+            n = min(mode.top_k, v)
+            desc = scores.topk(n, dim=-1).values
+            kth = desc.index_select(-1, (top_k.clamp(1, n) - 1).view(1))
+            kth = torch.where(top_k > 0, kth, float("-inf"))
+        else:
+            k = torch.where(top_k > 0, top_k, v).clamp(max=v)
+            desc = scores.sort(dim=-1, descending=True).values
+            kth = desc.index_select(-1, (k - 1).view(1))
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if not mode.top_p:
         return scores
-    # top-k: the kth largest via a sort, so k is a tensor; k = 0 (off) keeps all V
-    top_k = values["top_k"]
-    k = torch.where(top_k > 0, top_k, v).clamp(max=v)
-    desc = scores.sort(dim=-1, descending=True).values
-    kth = desc.index_select(-1, (k - 1).view(1))
-    scores = scores.masked_fill(scores < kth, float("-inf"))
     # top-p (min_tokens_to_keep = 1); off at top_p = 1
     top_p = values["top_p"]
     sorted_scores, order = torch.sort(scores, descending=False)

@@ -12,7 +12,7 @@ from transformers.generation.logits_process import (
 )
 
 from specfx.sampling.accept import greedy_verify, rejection_verify
-from specfx.sampling.processors import PLACEHOLDER, Mode, SamplingParams, as_mode, process_logits
+from specfx.sampling.processors import PLACEHOLDER, TOPK_BOUND, Mode, SamplingParams, as_mode, process_logits
 from specfx.sampling.rng import sample_from, uniform
 
 
@@ -166,6 +166,30 @@ def test_processors_match_transformers(params, pruned):
     assert torch.allclose(got[:, 0][finite], expected[finite], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("top_k", [1, 50, TOPK_BOUND, TOPK_BOUND + 1, 700])
+@pytest.mark.parametrize("top_p", [1.0, 0.7])
+def test_top_k_over_a_vocabulary_larger_than_the_bound_matches_transformers(top_k, top_p):
+    """A vocabulary larger than TOPK_BOUND: top_k up to the bound takes its kth largest score from
+    torch.topk, above it from a sort; both keep exactly HF's tokens, ties at the kth score
+    included (every tied score kept, as HF keeps them), with top-p after them."""
+    torch.manual_seed(1)
+    v = 1000
+    logits = torch.randn(4, 2, v) * 3
+    logits[0, 0, :400] = 2.5  # 400 scores tied around every small kth
+    logits[1, 1] = logits[1, 1].round()  # many ties everywhere
+    params = SamplingParams(do_sample=True, temperature=0.9, top_k=top_k, top_p=top_p)
+    hf = LogitsProcessorList([TemperatureLogitsWarper(0.9), TopKLogitsWarper(top_k)])
+    if top_p < 1.0:
+        hf.append(TopPLogitsWarper(top_p))
+    expected = hf(None, logits.reshape(8, v).clone()).reshape(4, 2, v)
+    values = {name: torch.tensor(value) for name, value in params.device_values().items()}
+    mode = params.mode()
+    assert mode.top_k == (TOPK_BOUND if top_k <= TOPK_BOUND else -1)
+    got = process_logits(logits, values, None, torch.zeros(4, 2, dtype=torch.long), torch.tensor([2]), mode)
+    assert torch.equal(got.isinf(), expected.isinf())
+    assert torch.equal(got[~expected.isinf()], expected[~expected.isinf()])
+
+
 def _values(**overrides):
     values = SamplingParams(do_sample=False).device_values() | overrides
     return {name: torch.tensor(value) for name, value in values.items()}
@@ -185,15 +209,17 @@ def test_settings_off_are_exact_no_ops():
 
 
 def test_mode_leaves_out_only_stages_that_are_off():
-    """SamplingParams.mode(): the penalty stage only when the penalty is not 1, the sorts only
-    when sampling with top-k or top-p; greedy never warps; a Mode is no bool."""
-    assert SamplingParams(do_sample=False).mode() == Mode(False, penalty=False, warp=False)
-    assert SamplingParams(do_sample=False, top_k=5).mode() == Mode(False, penalty=False, warp=False)
+    """SamplingParams.mode(): the penalty stage only when the penalty is not 1, top-k only when
+    sampling with top_k (by torch.topk up to TOPK_BOUND, else by a sort), top-p's sort only when
+    sampling with top_p < 1; greedy never warps; a Mode is no bool."""
+    assert SamplingParams(do_sample=False).mode() == Mode(False, penalty=False, top_k=0, top_p=False)
+    assert SamplingParams(do_sample=False, top_k=5, top_p=0.5).mode() == Mode(False, penalty=False)
     assert SamplingParams(do_sample=False, repetition_penalty=1.2).mode() == Mode(False, penalty=True)
-    assert SamplingParams(do_sample=True).mode() == Mode(True, penalty=False, warp=False)
-    assert SamplingParams(do_sample=True, top_k=50).mode().warp
-    assert SamplingParams(do_sample=True, top_p=0.9).mode().warp
-    assert as_mode(True) == Mode(True, penalty=True, warp=True)
+    assert SamplingParams(do_sample=True).mode() == Mode(True, penalty=False, top_k=0, top_p=False)
+    assert SamplingParams(do_sample=True, top_k=50).mode() == Mode(True, penalty=False, top_k=TOPK_BOUND, top_p=False)
+    assert SamplingParams(do_sample=True, top_k=TOPK_BOUND + 1).mode().top_k == -1
+    assert SamplingParams(do_sample=True, top_p=0.9).mode() == Mode(True, penalty=False, top_k=0, top_p=True)
+    assert as_mode(True) == Mode(True, penalty=True, top_k=-1, top_p=True)
     with pytest.raises(TypeError, match="mode.sample"):
         bool(Mode(True))
 

@@ -54,9 +54,14 @@ last generation; a later generate call rewrites every slot before any query can 
 
 Drafters side by side (``--drafters draft,eagle3,eagle,medusa``, demo target only): the shipped
 drafters of the demo target (the draft model and the heads in ``specfx/demo/demo_pair/heads``,
-MODEL_CARD.md "Heads") each run as ``specfx_eager[NAME]@K`` (and ``specfx_compiled[NAME]@K``)
-over the same prompts, every output checked against hf_dynamic's; a K deeper than Medusa's heads
-is listed as not run. ``--tree-budget N`` adds one tree of N nodes per drafter,
+MODEL_CARD.md "Heads"), and any drafter name specfx knows with its argument (``prompt_lookup``,
+``pard:DIR``, ``dflash:DIR``, ``eagle3:DIR``: a draft trained by ``specfx train``), each run as
+``specfx_eager[NAME]@K`` (and ``specfx_compiled[NAME]@K``; ``@auto`` with ``--k ...,auto``) over
+the same prompts, every output checked against hf_dynamic's; a K deeper than the drafter can
+propose (Medusa's heads, a DFlash block) is listed as not run. At batch 1 HF's counterpart of a
+named drafter that has one runs too (``hf_assisted[prompt_lookup]@K``: prompt_lookup_num_tokens=K),
+besides ``hf_assisted@K`` with the demo draft model. ``--skip`` takes a method family
+(``specfx_eager``, ``hf_assisted``) or one name. ``--tree-budget N`` adds one tree of N nodes per drafter,
 ``specfx_eager[NAME]@treeN``: EAGLE-2's dynamic tree (``TokenTree.eagle2(budget=N)``) for the
 EAGLE heads, ``TokenTree.medusa(budget=N)`` for Medusa, ``TokenTree.topk(depth=N // 2,
 branching=2, budget=N)`` for the draft model (the ``specfx bench trees`` shape). bench.md then
@@ -146,8 +151,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--drafters",
         default=None,
-        help="comma-separated shipped drafters of the demo target to compare side by side:\n"
-        "draft, eagle3, eagle, medusa (MODEL_CARD.md 'Heads'; not with --target/--draft)",
+        help="comma-separated drafters of the demo target to compare side by side: the shipped\n"
+        "draft, eagle3, eagle, medusa (MODEL_CARD.md 'Heads') and/or any drafter name specfx knows,\n"
+        "with its argument after a colon: prompt_lookup, pard:DIR, dflash:DIR, eagle3:DIR, ...\n"
+        "(not with --target/--draft)",
     )
     p.add_argument(
         "--tree-budget",
@@ -167,8 +174,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         )
     if not (args.k_values or args.auto) or not args.batch_values or min(args.k_values + args.batch_values) < 1:
         p.error("--k needs a positive integer or 'auto', --batch-sizes a positive integer")
-    if args.auto and args.drafters is not None:
-        p.error("--k auto runs the draft model; with --drafters give integer Ks")
     if args.max_new_tokens < 1 or args.num_prompts < 1 or args.repeats < 1 or args.micro_iters < 1:
         p.error("--max-new-tokens, --num-prompts, --repeats and --micro-iters must be >= 1")
     if args.threads is not None and args.threads < 1:
@@ -177,11 +182,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.drafter_names = []
     if args.drafters is not None:
         from specfx.demo.pair import DEMO_DRAFTERS
+        from specfx.drafters.registry import NAMED_DRAFTERS
 
         args.drafter_names = list(dict.fromkeys(s.strip() for s in args.drafters.split(",") if s.strip()))
-        bad = [d for d in args.drafter_names if d not in DEMO_DRAFTERS]
+        bad = [d for d in args.drafter_names if d not in DEMO_DRAFTERS and d.partition(":")[0] not in NAMED_DRAFTERS]
         if bad or not args.drafter_names:
-            p.error(f"--drafters takes a comma-separated subset of {','.join(DEMO_DRAFTERS)}, got {args.drafters!r}")
+            p.error(
+                f"--drafters takes a comma-separated list of the shipped {','.join(DEMO_DRAFTERS)} and/or drafter "
+                f"names ({', '.join(sorted(NAMED_DRAFTERS))}; an argument after a colon, e.g. pard:DIR), "
+                f"got {args.drafters!r}"
+            )
         if args.target is not None or args.draft is not None:
             p.error("--drafters compares the demo target's shipped drafters: drop --target/--draft")
     if args.tree_budget < 0 or (args.tree_budget and not args.drafter_names):

@@ -81,6 +81,9 @@ def build_methods(args, target, draft, batch: int, device) -> tuple[dict, dict]:
     for k in args.k_values:
         if batch == 1:
             methods[f"hf_assisted@{k}"] = lambda b, k=k: assisted_generate(target, draft, k, b, greedy)
+            for d in args.drafter_names:  # HF's counterpart of a named drafter (prompt lookup), where HF has one
+                if d.partition(":")[0] in NAMED_DRAFTERS:
+                    methods[f"hf_assisted[{d}]@{k}"] = lambda b, k=k, d=d: assisted_generate(target, d, k, b, greedy)
         if args.drafter_names:
             continue
         for compiled in (False, True) if not args.no_compile else (False,):
@@ -94,23 +97,26 @@ def build_methods(args, target, draft, batch: int, device) -> tuple[dict, dict]:
             specs[name] = spec = specfx.speculate(target, draft=draft, num_speculative_tokens="auto", compile=compiled)
             methods[name] = lambda b, spec=spec: spec.generate(**b, **greedy)
     if args.drafter_names:
-        from specfx.demo.pair import demo_drafter
-    for d in args.drafter_names:  # the shipped drafters side by side (module docstring)
+        from specfx.demo.pair import DEMO_DRAFTERS, demo_drafter
+    for d in args.drafter_names:  # the drafters side by side (module docstring)
         runs = [(str(k), dict(num_speculative_tokens=k)) for k in args.k_values]
+        if args.auto:
+            runs.append(("auto", dict(num_speculative_tokens="auto")))
         if args.tree_budget:
             tree = drafter_tree(d, args.tree_budget)  # pinned: the tree every round, not "auto"'s choice
             runs.append((f"tree{args.tree_budget}", dict(tree=tree, num_speculative_tokens=tree.size)))
         for label, how in runs:
             for compiled in (False, True) if not args.no_compile else (False,):
                 name = f"specfx_{'compiled' if compiled else 'eager'}[{d}]@{label}"
-                try:
-                    spec = specfx.speculate(target, draft=demo_drafter(d, draft), compile=compiled, **how)
+                try:  # a shipped name, else the name passed to speculate() (a fresh drafter per generator)
+                    drafter = demo_drafter(d, draft) if d in DEMO_DRAFTERS else d
+                    spec = specfx.speculate(target, draft=drafter, compile=compiled, **how)
                 except ValueError as e:  # e.g. K deeper than Medusa's heads: listed as not run
                     methods[name] = lambda b, e=e: _raise(e)
                     continue
                 methods[name] = lambda b, spec=spec: spec.generate(**b, **greedy)
                 specs[name] = spec
-    skip = {m for m in methods if m.split("@")[0] in args.skip_set or m in args.skip_set}
+    skip = {m for m in methods if {m, m.split("@")[0], m.split("@")[0].partition("[")[0]} & args.skip_set}
     return {m: f for m, f in methods.items() if m not in skip}, {m: s for m, s in specs.items() if m not in skip}
 
 
@@ -118,6 +124,7 @@ def drafter_tree(name: str, budget: int):
     """The one tree per drafter of ``--tree-budget`` (module docstring)."""
     from specfx.trees.types import TokenTree
 
+    name = name.partition(":")[0]  # eagle3:DIR is an EAGLE-3 head too
     if name in ("eagle3", "eagle"):
         return TokenTree.eagle2(budget=budget)
     if name == "medusa":

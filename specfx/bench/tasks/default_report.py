@@ -7,15 +7,17 @@ __all__ = ["drafters_table", "markdown_table"]
 
 
 def drafters_table(runs: dict, names: list[str]) -> str:
-    """α / τ per shipped drafter (rows) and K or tree (columns), eager runs, per batch size."""
+    """α / τ per drafter (rows) and K or tree (columns), per batch size: the eager runs, the
+    compiled ones where the eager runs were skipped (greedy: the same tokens either way)."""
     lines = []
     for batch, results in runs.items():
         labels: list[str] = []
+        kind = "eager" if any(n.startswith("specfx_eager[") for n in results) else "compiled"
         for name in results:
-            if name.startswith("specfx_eager[") and name.partition("@")[2] not in labels:
+            if name.startswith(f"specfx_{kind}[") and name.partition("@")[2] not in labels:
                 labels.append(name.partition("@")[2])
         lines += [
-            f"Drafters side by side, batch {batch} (α accepted/proposed, τ tokens per round; eager):",
+            f"Drafters side by side, batch {batch} (α accepted/proposed, τ tokens per round; {kind}):",
             "",
             "| drafter | " + " | ".join(f"K = {k}" if k.isdigit() else k for k in labels) + " |",
             "|---|" + "---:|" * len(labels),
@@ -23,7 +25,7 @@ def drafters_table(runs: dict, names: list[str]) -> str:
         for d in names:
             cells = []
             for label in labels:
-                r = results.get(f"specfx_eager[{d}]@{label}")
+                r = results.get(f"specfx_{kind}[{d}]@{label}")
                 st = r.get("stats") if r and r["status"] == "ok" else None
                 ok = r is not None and r.get("same_tokens_as_hf_dynamic", True)
                 cells.append(

@@ -83,3 +83,24 @@ def test_bench_drafters_refuses_other_models():
         parse_args(["--drafters", "nope"])
     with pytest.raises(SystemExit):
         parse_args(["--tree-budget", "8"])
+
+
+def test_bench_drafters_takes_named_drafters_and_auto(one_thread, tmp_path):
+    """``--drafters`` takes any drafter name with its argument (``pard:DIR``, ``dflash:DIR``, here
+    prompt lookup) beside the shipped ones, and ``--k ...,auto``; at batch 1 HF's counterpart of a
+    named drafter runs too (issue 28 item 4 on the demo target)."""
+    from specfx.bench.tasks.default import main as bench_main
+
+    argv = ["--no-compile", "--k", "2,auto", "--num-prompts", "1", "--max-new-tokens", "6", "--repeats", "1"]
+    argv += ["--skip", "hf_static,hf_assisted@2", "--drafters", "draft,prompt_lookup"]
+    assert bench_main(argv + ["--out", str(tmp_path)]) == 0
+    md = (tmp_path / "bench.md").read_text()
+    for name in (
+        "specfx_eager[draft]@auto",
+        "specfx_eager[prompt_lookup]@2",
+        "specfx_eager[prompt_lookup]@auto",
+        "hf_assisted[prompt_lookup]@2",
+    ):
+        assert f"| {name} |" in md, name
+    assert "| 1 | hf_assisted@2 |" not in md  # --skip takes one name too
+    assert "| prompt_lookup | α" in md and "| K = 2 | auto |" in md

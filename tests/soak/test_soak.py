@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import specfx
-from specfx.sampling.processors import Mode
+from specfx.sampling.processors import TOPK_BOUND, Mode
 from specfx.testing.soak import CLASSES, MODES, REPLAYS, growing_request, soak_request
 from specfx.testing.tiny import perturbed_copy, tiny_causal_lm
 
@@ -67,9 +67,14 @@ def test_long_lived_generator_serves_a_mixed_workload(soak):
     compiled = len(spec.compile_events)
     # the policy: one round graph per batch bucket and graph mode at the current capacity and
     # live-KV bound (both only grow: 100 + 156 + K + 2 = 261 tokens -> 512 slots, 320 read). The
-    # modes of MODES: greedy; greedy with a penalty; sampling (HF's default top_k=50 warps); and
-    # sampling with a penalty
-    modes = {Mode(False, penalty=False), Mode(False, penalty=True), Mode(True, penalty=False), Mode(True, penalty=True)}
+    # modes of MODES: greedy; greedy with a penalty; sampling (HF's default top_k=50, and top_k=20:
+    # top-k by torch.topk, decision 87); and sampling with a penalty and top_p (top_k 50 too)
+    modes = {
+        Mode(False, penalty=False),
+        Mode(False, penalty=True),
+        Mode(True, penalty=False, top_k=TOPK_BOUND, top_p=False),
+        Mode(True, penalty=True, top_k=TOPK_BOUND, top_p=True),
+    }
     assert {e.key for e in spec.compile_events} == {("round", b, 512, 3, m, False, 320) for b in (1, 2, 4) for m in modes}
     assert len(spec.graph_cache) <= spec.max_graphs == 16  # max_graphs=None: 16 per K (one K here)
 

@@ -16,7 +16,8 @@ by ``DECAY`` per sync; every call starts from the same prior (α̂ = 0.5).
 
 Cost. ``t(K)``, the time of one round with K proposals, is measured: before the first call of
 a graph shape (batch bucket, capacity, mode) the generator times every candidate's round
-(each compiled first; in turn, the fastest of 7 after 2 warm-up calls) on the allocated state
+(each compiled first; in turns, the fastest of 6 after one turn of warm-up, each timed call
+right after an untimed one of the same K) on the allocated state
 with every row finished (the rounds are inert; prefill then resets everything they touched).
 ``SpecConfig.auto_k_times`` replaces the measurement with given times, interpolated linearly
 for Ks it does not list (:meth:`AutoK.round_time`); ``SpecConfig.auto_k_cost = c`` replaces it
@@ -340,25 +341,31 @@ class RoundTimer:
     """The measured round times of "auto": one ``{K: seconds}`` per graph shape (K None: a
     tree round), in :attr:`times_by_shape` (a dict a test may read or overwrite: ``(batch
     bucket, capacity, mode, collect) -> {K: s}``). A call that only raises the live-KV bound
-    (decision 45) reuses its shape's timing, and compiles only the Ks it then chooses."""
+    (decision 45) reuses its shape's timing, and compiles only the Ks it then chooses.
 
-    def __init__(self, warmup: int = 2, repeats: int = 7):
-        self.warmup, self.repeats = warmup, repeats
+    ``settle``: untimed calls of a K just before each of its timed ones (decision 88). A window
+    of a call runs one K round after round; a round timed right after another K's measures
+    that K's leftovers too (on a CPU, caches filled by the other graph's tensors): a tiny
+    Mamba2 hybrid's plain round timed at 1.05 ms after a K = 8 round, 0.45–0.6 ms after its own."""
+
+    def __init__(self, warmup: int = 1, repeats: int = 6, settle: int = 1):
+        self.warmup, self.repeats, self.settle = warmup, repeats, settle
         self.times_by_shape: dict[tuple, dict[int | None, float]] = {}
 
     def times(self, shape_key: tuple, rounds: Mapping[int | None, Callable[[], object]], sync=None) -> dict:
         """Round times of every candidate K (``rounds``: K -> one round's call, compiled
-        already) for ``shape_key``: remembered, or timed now. The Ks are timed in turn,
-        ``repeats`` times after ``warmup`` calls each, and each K keeps its fastest time: load
-        from other processes only ever adds time, and taking turns spreads its drift over every
-        K alike. ``sync`` (CUDA: synchronize) runs inside each timing."""
+        already) for ``shape_key``: remembered, or timed now. The Ks take turns, ``warmup``
+        turns untimed and ``repeats`` timed, and each K keeps its fastest time: load from other
+        processes only ever adds time, and taking turns spreads its drift over every K alike.
+        In each turn a K runs ``settle`` untimed rounds before its timed one, as in a window of
+        rounds of that K. ``sync`` (CUDA: synchronize) runs inside each timing."""
         times = self.times_by_shape.get(shape_key)
         if times is not None:
             return times
         times = {k: float("inf") for k in rounds}
         for i in range(self.warmup + self.repeats):
             for k, one_round in rounds.items():
-                (seconds,) = call_times(one_round, 1, sync=sync)
+                (seconds,) = call_times(one_round, 1, warmup=self.settle, sync=sync)
                 if i >= self.warmup:
                     times[k] = min(times[k], seconds)
         self.times_by_shape[shape_key] = times

@@ -8,7 +8,18 @@ import torch
 from transformers import LogitsProcessorList
 
 import specfx
-from specfx.engine.auto_k import HOLD, MAX_HOLD, MIN_EVIDENCE, TREE, AutoK, TreeAuto, expected_emitted, interpolate
+from specfx.engine import auto_k
+from specfx.engine.auto_k import (
+    HOLD,
+    MAX_HOLD,
+    MIN_EVIDENCE,
+    TREE,
+    AutoK,
+    RoundTimer,
+    TreeAuto,
+    expected_emitted,
+    interpolate,
+)
 from tests.conftest import left_padded, pair, prompt
 from tests.lossless.test_lossless import _chisquare, _exact, _models
 from tests.unit.drafters.test_prompt_lookup import _copying, _repeating_prompt
@@ -96,6 +107,35 @@ def test_round_times_are_interpolated_between_measured_ks():
     assert [interpolate(times, k) for k in (0, 2, 4, 6, 8, 10)] == [1.0, 1.5, 2.0, 4.0, 6.0, 6.0]
     policy = AutoK((1, 2, 4, 8), times={0: 1.0, 8: 3.0})
     assert policy.round_time(4) == 2.0 and policy.round_time(0) == 1.0
+
+
+def test_round_timer_times_each_k_right_after_a_round_of_the_same_k(monkeypatch):
+    # decision 88: in a call a window runs one K round after round, so a timed round follows one
+    # of its own K, never another K's (whose tensors left the caches cold: 2x on a tiny hybrid)
+    calls, timed = [], []
+
+    def fake_call_times(fn, repeats, *, warmup=0, sync=None):
+        for _ in range(warmup):
+            fn()
+        out = []
+        for _ in range(repeats):
+            fn()
+            timed.append(len(calls) - 1)  # the index of the call just timed
+            out.append(1.0 + len(calls))  # later calls "slower": the minimum is each K's first timed call
+        return out
+
+    monkeypatch.setattr(auto_k, "call_times", fake_call_times)
+    timer = RoundTimer()
+    rounds = {k: (lambda k=k: calls.append(k)) for k in (0, 1, 4)}
+    times = timer.times(("shape",), rounds)
+    assert len(timed) == (timer.warmup + timer.repeats) * len(rounds)
+    for i in timed:
+        assert i > 0 and calls[i - 1] == calls[i]  # an untimed round of the same K just before
+    first_timed = {}
+    for i in timed[timer.warmup * len(rounds) :]:
+        first_timed.setdefault(calls[i], 1.0 + i + 1)
+    assert times == first_timed  # each K's fastest timed call; warm-up turns not counted
+    assert timer.times(("shape",), {}) is times  # remembered per shape
 
 
 def test_policy_maximises_the_modelled_speedup():
@@ -357,7 +397,10 @@ def test_auto_is_the_default_for_chains_cut_to_what_the_drafter_can_propose(one_
 @pytest.mark.parametrize(
     "kwargs,pattern",
     [
-        (dict(num_speculative_tokens="Auto"), r"num_speculative_tokens must be an int in \[1, 16\], got 'Auto'.*'auto'"),
+        (
+            dict(num_speculative_tokens="Auto"),
+            r"num_speculative_tokens must be an int in \[1, 16\], got 'Auto'.*'auto'",
+        ),
         (dict(num_speculative_tokens="auto", auto_k_values=()), r"auto_k_values must be a tuple of increasing ints"),
         (dict(num_speculative_tokens="auto", auto_k_values=(4, 2)), r"auto_k_values .* got \(4, 2\)"),
         (dict(num_speculative_tokens="auto", auto_k_values=(0, 2)), r"auto_k_values .* in \[1, 16\]"),
@@ -438,11 +481,15 @@ def test_auto_turns_speculation_off_and_output_stays_exact(one_thread, batch):
     ids, mask = left_padded(10, (4, 0, 7)[:batch], seed=4) if batch > 1 else (prompt(8, seed=2), None)
     kw = dict(attention_mask=mask, max_new_tokens=40, eos_token_id=None, pad_token_id=0)
     expected = target.generate(ids, **kw)
-    never = specfx.speculate(target, draft=draft, num_speculative_tokens="auto", auto_k_times={0: 1.0, 8: 50.0}, compile=False)
+    never = specfx.speculate(
+        target, draft=draft, num_speculative_tokens="auto", auto_k_times={0: 1.0, 8: 50.0}, compile=False
+    )
     assert torch.equal(never.generate(ids, **kw), expected)
     assert set(never.auto_k.history) == {0} and never.stats.proposed == 0
     assert never.stats.tokens_per_round == 1.0
-    later = specfx.speculate(target, draft=draft, num_speculative_tokens="auto", auto_k_times={0: 1.0, 8: 1.6}, compile=False)
+    later = specfx.speculate(
+        target, draft=draft, num_speculative_tokens="auto", auto_k_times={0: 1.0, 8: 1.6}, compile=False
+    )
     assert torch.equal(later.generate(ids, **kw), expected)
     history = later.auto_k.history
     assert history[0] > 0 and history[-1] == 0 and 0 not in history[: -(-MIN_EVIDENCE // batch)]

@@ -20,7 +20,10 @@ One worker thread per generator, started when something is queued and ended when
 empty; a daemon, but an exiting program first drops every queued compile and waits for the one
 under way (an ``atexit`` hook, :func:`_finish_at_exit`): interpreter shutdown under a compile
 running in a thread raised in it and aborted the process ("terminate called without an active
-exception", exit status 134). It runs the compile under the
+exception", exit status 134). By then the standard library's executors refuse new work, so a
+compile under way usually stops at Inductor's first parallel step instead of finishing; that is
+the intent (the graph is not needed any more) and is not reported as a failure
+(:func:`exiting`). It runs the compile under the
 modes every call of the generator runs in (``no_grad``, outside inference mode: grad mode is
 part of the graphs' guards). The variant the host loop asks for next goes to the front of the
 queue. Only round graphs compile here: prefill graphs (``compile_prefill``) and callers that
@@ -47,6 +50,7 @@ __all__ = [
     "CompileOnly",
     "NotRun",
     "provisional_times",
+    "exiting",
     "register_background",
     "wait_for_graphs",
 ]
@@ -224,6 +228,13 @@ class BackgroundCompiler:
 _COMPILERS: weakref.WeakSet = weakref.WeakSet()  # compilers that have started a worker
 _EXIT_HOOK = threading.Lock()
 _exit_hook_registered = False
+_exiting = threading.Event()  # set by _finish_at_exit: the interpreter is shutting down
+
+
+def exiting() -> bool:
+    """Whether the program is exiting: a background compile that fails now failed because the
+    interpreter refuses new work (executors shut down), which is expected and not worth a warning."""
+    return _exiting.is_set()
 
 
 def _at_exit(compiler: BackgroundCompiler) -> None:
@@ -237,14 +248,16 @@ def _at_exit(compiler: BackgroundCompiler) -> None:
 
 
 def _finish_at_exit() -> None:
-    """At interpreter exit: drop every queued compile and wait for those under way."""
+    """At interpreter exit: drop every queued compile and wait for those under way (they end
+    soon: the interpreter refuses the thread pools they would use, see the module docstring)."""
+    _exiting.set()
     compilers = list(_COMPILERS)
     for c in compilers:
         with c._cond:
             c._queue.clear()
     running = [c for c in compilers if c.busy()]
     if running:
-        print("specfx: finishing the round-graph compile under way before exiting", file=sys.stderr, flush=True)
+        print("specfx: stopping the round-graph compile under way before exiting", file=sys.stderr, flush=True)
     for c in running:
         c.wait()
 

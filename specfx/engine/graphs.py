@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specfx.engine.background import BackgroundCompiler, compile_only, run_compile_only
+from specfx.engine.background import BackgroundCompiler, compile_only, exiting, run_compile_only
 from specfx.model.dynamo import fresh_code, release_code
 from specfx.passes.backend import GraphRecords, make_backend
 from specfx.passes.rewrites.live_kv import LiveKV
@@ -234,8 +234,10 @@ class GraphCache:
                 if not self._current(owner, key):  # the state was reallocated under the trace
                     self._forget(key)
                     return
-                # the foreground compile of the next call raises it where it belongs
-                logger.warning("specfx: the background compile of %s failed (%s); it will compile in the foreground", key, e)
+                # the foreground compile of the next call raises it where it belongs (at exit
+                # there is none: the interpreter refused the compile's thread pools, as intended)
+                log = logger.debug if exiting() else logger.warning
+                log("specfx: the background compile of %s failed (%s); it will compile in the foreground", key, e)
                 with self._lock:
                     self._wanted.discard(key)
                     self._failed.add(key)

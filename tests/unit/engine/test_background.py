@@ -293,7 +293,7 @@ def test_an_exiting_program_drops_queued_compiles_and_waits_for_the_running_one(
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "running").read_text() == "done"  # waited for
     assert not (tmp_path / "queued").exists()  # dropped
-    assert "finishing the round-graph compile under way" in result.stderr
+    assert "stopping the round-graph compile under way" in result.stderr
 
 
 def test_wait_returns_after_the_switch_interval_is_restored(monkeypatch):
@@ -319,3 +319,24 @@ def test_wait_returns_after_the_switch_interval_is_restored(monkeypatch):
         assert sys.getswitchinterval() == pytest.approx(0.004)
     finally:
         sys.setswitchinterval(saved)
+
+
+def test_a_real_compile_cut_short_by_exit_is_not_reported_as_a_failure():
+    """A script that generates once and ends while "auto"'s round graphs compile: the exit stops
+    the compile under way (the interpreter refuses Inductor's thread pools by then) and that is
+    expected, not a failed compile to be retried "in the foreground" (the old warning)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import torch, specfx
+        from specfx.testing.tiny import tiny_causal_lm
+        spec = specfx.speculate(tiny_causal_lm("llama", seed=1), num_speculative_tokens="auto")
+        spec.generate(torch.randint(3, 100, (1, 12)), max_new_tokens=8, do_sample=False)
+    """)
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "stopping the round-graph compile under way" in result.stderr  # a compile was cut short
+    assert "failed" not in result.stderr and "foreground" not in result.stderr, result.stderr

@@ -120,6 +120,70 @@ def test_negative_control_draft_distribution_is_rejected():
     assert _chisquare(out[:, len(prompt) :].tolist(), probs) < 1e-6
 
 
+EOS_NEW, EOS = 4, V - 1
+
+
+def _exact_with_eos(target, prompt, warpers):
+    """P(output) of the first ``EOS_NEW`` tokens when ``EOS`` ends a row (padded with 0 after it,
+    as HF pads): the probability of the sequence up to and including the EOS."""
+    probs = {}
+
+    def walk(seq, p):
+        if len(seq) == EOS_NEW or (seq and seq[-1] == EOS):
+            key = tuple(seq + [0] * (EOS_NEW - len(seq)))
+            probs[key] = probs.get(key, 0.0) + p
+            return
+        ids = torch.tensor([prompt + seq])
+        with torch.no_grad():
+            logits = target(ids).logits[:, -1].float()
+        scores = warpers(ids, logits.clone()).softmax(-1)[0]
+        for tok in range(V):
+            walk(seq + [tok], p * float(scores[tok]))
+
+    walk([], 1.0)
+    return probs
+
+
+@pytest.mark.parametrize("drafter", tiered(["draft", "prompt_lookup"], ["prompt_lookup"]))
+def test_sampling_with_eos_in_a_ragged_batch_matches_exact_distribution(drafter):
+    """Rows that end on EOS mid-round (proposals after it dropped, the row padded) in a
+    left-padded batch of two prompts: each row's output, stop included, follows its prompt's exact
+    distribution. Prompt lookup (q one-hot, proposals copied from the row's own prompt, which
+    repeats an n-gram) and a draft model; temperature 0.7 as in the chat suite's sampling."""
+    target, draft = _models()
+    target.generation_config.eos_token_id = EOS
+    prompts = ([1, 4, 2, 1, 4], [3, 1, 4])
+    rows = 3000
+    ids = torch.tensor([[1, 4, 2, 1, 4], [0, 0, 3, 1, 4]]).repeat(rows, 1)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]]).repeat(rows, 1)
+    spec = specfx.speculate(target, draft=draft if drafter == "draft" else drafter, num_speculative_tokens=3, compile=False)
+    torch.manual_seed(7)
+    out = spec.generate(
+        ids, attention_mask=mask, do_sample=True, temperature=0.7, max_new_tokens=EOS_NEW, pad_token_id=0, eos_token_id=EOS
+    )
+    assert 0.02 < spec.stats.acceptance_rate < 0.95
+    new = out[:, 5:]
+    assert ((new[:, :-1] == EOS).any(1)).float().mean() > 0.1  # many rows stopped before the last token
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(0.7)])
+    for i, p in enumerate(prompts):
+        probs = _exact_with_eos(target, p, warpers)
+        assert abs(sum(probs.values()) - 1) < 1e-4
+        assert _chisquare(new[i::2].tolist(), probs) > 1e-3, f"prompt {p}"
+
+
+def test_negative_control_eos_test_rejects_the_draft_distribution():
+    """The EOS-aware test has power: the draft's own samples (with the same EOS and padding) fail it."""
+    target, draft = _models()
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(0.7)])
+    prompt = [3, 1, 4]
+    torch.manual_seed(7)
+    out = draft.generate(
+        torch.tensor([prompt]).repeat(3000, 1), do_sample=True, temperature=0.7, top_k=0, max_new_tokens=EOS_NEW,
+        pad_token_id=0, eos_token_id=EOS,
+    )  # fmt: skip
+    assert _chisquare(out[:, len(prompt) :].tolist(), _exact_with_eos(target, prompt, warpers)) < 1e-6
+
+
 # --------------------------------------------------------------------------- token trees
 # 8192 rows fill the batch bucket (no inert rows); a small prompt bucket and buffer make each
 # generate() call several times faster than the defaults at this batch size.

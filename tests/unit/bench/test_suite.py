@@ -14,6 +14,7 @@ from specfx.bench.harness import BASELINE
 from specfx.bench.tasks import suite
 from specfx.bench.tasks.suite_report import (
     category_summary,
+    config_table,
     markdown_report,
     specfx_differences,
     summarise,
@@ -322,7 +323,22 @@ def test_the_markdown_report_prints_numbers_targets_and_what_did_not_run():
     assert "average vs HF generate() >= 1.5x: 1.20x -> **FAIL**" in text
     assert "every category vs HF generate() >= 1.0x: 1.20x (lowest: qa) -> **PASS**" in text
     assert "| qa | 30.0 | n/a | n/a | 27.0 | 0.90x | n/a | n/a |" in text
+    assert "| 2.00 | yes | n/a |" in text  # no seconds in these synthetic results: no time ratio
     assert "specfx[lookahead]: not run (ValueError: not here)" in text
+
+
+def test_the_time_ratio_compares_seconds_where_sampled_token_counts_differ():
+    """Sampling at batch 8: specfx emitted half HF's tokens (its rows happened to stop sooner) in
+    less time: tokens/s says 0.55x, the time ratio says specfx finished the prompts sooner."""
+    results = synthetic({BASELINE: {"qa": 828 / 19.4}, "specfx": {"qa": 410 / 17.4}})
+    results[BASELINE]["categories"]["qa"]["median_s"] = 19.4
+    results["specfx"]["categories"]["qa"]["median_s"] = 17.4
+    summary = summarise(results, batch=8)["specfx"]
+    row = summary["categories"]["qa"]
+    assert row["vs_hf_dynamic"] == pytest.approx(0.553, abs=1e-3)
+    assert row["time_vs_hf_dynamic"] == pytest.approx(19.4 / 17.4)
+    assert summary["average"]["time_vs_hf_dynamic"] == pytest.approx(19.4 / 17.4)
+    assert "| 1.11x |" in "\n".join(config_table(results, summarise(results, 8), "specfx"))
 
 
 def test_without_matplotlib_the_plot_is_skipped_with_a_hint(monkeypatch, tmp_path, capsys):

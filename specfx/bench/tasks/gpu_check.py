@@ -14,6 +14,9 @@ the JSON is rewritten after each):
   ``torch.cuda.set_sync_debug_mode("error")``, and a profile of one warm ``generate()``:
   ``cudaGraphLaunch`` calls against rounds run, and the device's busy fraction between the
   first and last kernel of the decode loop (idle gaps = host waits).
+- ``hybrid`` (not in the default list): targets with recurrent / linear-attention state, each
+  case checked as a drafter is, rounds rejecting so the state rolls back
+  (:mod:`.gpu_check_hybrid`).
 - ``sampling``: a compiled sampling round on CUDA (runs, finite, tokens in the vocabulary).
 - ``bf16``: the reduced-precision rule (``specfx.testing.precision``) on CUDA in bfloat16 for a
   conformance subset, eager, batch 1 and a left-padded batch; Llama also compiled.
@@ -45,6 +48,7 @@ from specfx.bench.tasks.gpu_check_drafters import (
     prompt,
     section_drafters,
 )
+from specfx.bench.tasks.gpu_check_hybrid import section_hybrid
 from specfx.testing.precision import check_greedy_agreement
 from specfx.testing.tiny import perturbed_copy, tiny_causal_lm
 
@@ -243,7 +247,7 @@ def main(argv=None):
     p.add_argument("--sections", default="env,drafters,moe,sampling,bf16")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (no sync/profile checks)")
     p.add_argument("--backend", default="specfx", help="specfx_eager: trace without Inductor (smoke)")
-    p.add_argument("--only", default="", help="comma-separated drafter cases to run (default all)")
+    p.add_argument("--only", default="", help="comma-separated drafter / hybrid cases to run (default all)")
     args = p.parse_args(argv)
     SETTINGS.device, SETTINGS.backend = torch.device(args.device), args.backend
     SETTINGS.only = [x for x in args.only.split(",") if x]
@@ -263,6 +267,9 @@ def main(argv=None):
             elif name == "drafters":
                 for _ in section_drafters(results, deadline):
                     save()
+            elif name == "hybrid":
+                for _ in section_hybrid(results, deadline):
+                    save()
             elif name == "moe":
                 section_moe(results, deadline)
             elif name == "moe_bf16":
@@ -278,7 +285,7 @@ def main(argv=None):
         save()
     bad = [
         r.get("name") or r.get("arch")
-        for r in results.get("drafters", []) + results.get("bf16", [])
+        for r in results.get("drafters", []) + results.get("hybrid", []) + results.get("bf16", [])
         if r.get("ok") is False
     ]
     print(f"total {sum(results['seconds'].values()):.0f} s; not ok: {bad}", flush=True)

@@ -134,6 +134,7 @@ def check_drafter(name, kwargs, target, skiplog, batch1=False):
         ok &= bool(torch.equal(spec.generate(ids, **gen), target.generate(ids, **gen)))
     gen["attention_mask"] = mask
     rec["greedy_equal"] = ok
+    rec["accepted"], rec["proposed"] = spec.stats.accepted, spec.stats.proposed  # the last call's
     rec["compile_events"] = [str(e.key) for e in spec.compile_events]
     rec["first_calls_s"] = round(time.monotonic() - t0, 1)
     rec["cudagraph_skips"] = list(skiplog.messages)

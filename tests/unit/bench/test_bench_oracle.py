@@ -350,3 +350,20 @@ def test_gpu_check_smoke_on_cpu(tmp_path):
         ("prompt_lookup", True, True),
         ("eagle_chain", True, True),
     ]
+
+
+def test_gpu_check_hybrid_smoke_on_cpu(tmp_path):
+    """The ``hybrid`` section (stateful targets, issue 29 on the device) runs on the CPU: a GDN
+    hybrid and LFM2's short convs with a hybrid draft model, equal to generate() with rounds that
+    reject (the state rolled back)."""
+    import json
+
+    from specfx.bench.tasks import gpu_check
+
+    gpu_check.main(["--device", "cpu", "--backend", "specfx_eager", "--sections", "hybrid", "--only",
+                    "qwen3_next_draft,lfm2_draft", "--out-dir", str(tmp_path)])  # fmt: skip
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert [(r["name"], r["greedy_equal"], r["rolled_back"], r["ok"]) for r in result["hybrid"]] == [
+        ("qwen3_next_draft", True, True, True),
+        ("lfm2_draft", True, True, True),
+    ]

@@ -17,7 +17,7 @@ from specfx.bench.tasks.gpu_combo import busy_in_window
 from specfx.testing.tiny import perturbed_copy, tiny_causal_lm
 from specfx.trees.types import TokenTree
 
-__all__ = ["SETTINGS", "SkipLog", "check_drafter", "left_padded", "prompt", "section_drafters"]
+__all__ = ["SETTINGS", "SkipLog", "check_drafter", "left_padded", "prompt", "run_cases", "section_drafters", "skip_log"]
 
 # What main() was asked for: the device, the compile backend, the drafter cases to run (empty: all)
 SETTINGS = SimpleNamespace(device=torch.device("cuda"), backend="specfx", only=[])
@@ -162,16 +162,28 @@ def check_drafter(name, kwargs, target, skiplog, batch1=False):
     return rec
 
 
-def section_drafters(results, deadline):
-    skiplog = SkipLog()
-    if SETTINGS.device.type == "cuda":  # process-wide logging: only in the GPU run, not in the CPU smoke test
-        for lname in ("torch._inductor", "torch._inductor.cudagraph_trees", "torch._inductor.utils"):
-            logging.getLogger(lname).addHandler(skiplog)
-        torch._logging.set_logs(perf_hints=True)  # "skipping cudagraphs due to ..." is a perf hint
-    target = tiny_causal_lm("llama", num_layers=4).to(SETTINGS.device)
-    draft = perturbed_copy(tiny_causal_lm("llama", num_layers=4), 0.03).to(SETTINGS.device)
-    out = results.setdefault("drafters", [])
-    for name, build in drafter_cases():
+_SKIPLOG: SkipLog | None = None
+
+
+def skip_log() -> SkipLog:
+    """The process's collector of Inductor's CUDA-graph skip messages, attached to Inductor's
+    loggers on first use in a CUDA run (process-wide logging: only there, never in the CPU smoke
+    test); every section that checks graphs shares it."""
+    global _SKIPLOG
+    if _SKIPLOG is None:
+        _SKIPLOG = SkipLog()
+        if SETTINGS.device.type == "cuda":
+            for lname in ("torch._inductor", "torch._inductor.cudagraph_trees", "torch._inductor.utils"):
+                logging.getLogger(lname).addHandler(_SKIPLOG)
+            torch._logging.set_logs(perf_hints=True)  # "skipping cudagraphs due to ..." is a perf hint
+    return _SKIPLOG
+
+
+def run_cases(section: str, out: list, cases, deadline):
+    """Run ``cases`` (``(name, check() -> record)`` pairs; ``SETTINGS.only`` filters by name) in
+    turn until ``deadline``, appending each record (a failure: its traceback) to ``out`` and
+    printing one line; yields after each so the caller can save the JSON."""
+    for name, check in cases:
         if SETTINGS.only and name not in SETTINGS.only:
             continue
         if time.monotonic() > deadline:
@@ -179,18 +191,32 @@ def section_drafters(results, deadline):
             continue
         t0 = time.monotonic()
         try:
-            rec = check_drafter(name, build(target, draft), target, skiplog, batch1=name == "draft_model")
+            rec = check()
         except Exception:  # noqa: BLE001
             rec = dict(name=name, ok=False, error=traceback.format_exc()[-3000:])
         rec["seconds"] = round(time.monotonic() - t0, 1)
         out.append(rec)
         print(
-            f"[drafters] {name}: ok={rec.get('ok')} {rec.get('seconds')} s "
+            f"[{section}] {name}: ok={rec.get('ok')} {rec.get('seconds')} s "
             f"events={rec.get('compile_events_after')} skips={len(rec.get('cudagraph_skips', []))} "
-            f"profile={rec.get('profile')} err={(rec.get('error') or rec.get('sync_error') or '')[-400:]}",
+            f"profile={rec.get('profile')} "
+            f"err={(rec.get('error') or rec.get('sync_error') or rec.get('reason') or '')[-400:]}",
             flush=True,
         )
         yield
+
+
+def section_drafters(results, deadline):
+    skiplog = skip_log()
+    target = tiny_causal_lm("llama", num_layers=4).to(SETTINGS.device)
+    draft = perturbed_copy(tiny_causal_lm("llama", num_layers=4), 0.03).to(SETTINGS.device)
+    cases = [
+        (name, lambda name=name, build=build: check_drafter(
+            name, build(target, draft), target, skiplog, batch1=name == "draft_model"))
+        for name, build in drafter_cases()
+    ]  # fmt: skip
+    out = results.setdefault("drafters", [])
+    yield from run_cases("drafters", out, cases, deadline)
     # MTP: needs a transformers with MtpModel
     if time.monotonic() < deadline and (not SETTINGS.only or "mtp" in SETTINGS.only):
         t0 = time.monotonic()

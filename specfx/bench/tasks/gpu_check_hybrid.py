@@ -20,17 +20,14 @@ has torch 2.11), the case checks that ``speculate()`` refuses it with the reason
 
 from __future__ import annotations
 
-import time
-import traceback
-
 import torch
 
 import specfx
-from specfx.bench.tasks.gpu_check_drafters import SETTINGS, SkipLog, check_drafter, left_padded
+from specfx.bench.tasks.gpu_check_drafters import SETTINGS, check_drafter, left_padded, run_cases, skip_log
 from specfx.model.architectures import ARCHITECTURES
 from specfx.testing.tiny import STATEFUL_TINY, perturbed_copy, tiny_causal_lm
 
-__all__ = ["HYBRID_CASES", "section_hybrid"]
+__all__ = ["HYBRID_CASES", "check_hybrid", "section_hybrid"]
 
 K = 4
 # (case name, model type, drafter): drafter "draft" (a perturbed hybrid copy), "prompt_lookup" or "auto"
@@ -87,40 +84,26 @@ def check_refused(name: str, arch: str, target, draft) -> dict:
     return rec
 
 
+def check_hybrid(name: str, arch: str, how: str, models: dict) -> dict:
+    """One case: the target (built once per type, with its draft) checked as a drafter is, or its
+    refusal where this torch's Inductor miscompiles the type."""
+    if arch not in models:
+        target = hybrid_target(arch)
+        models[arch] = (target.to(SETTINGS.device), perturbed_copy(target, 0.03).to(SETTINGS.device))
+    target, draft = models[arch]
+    if _inductor_refused(arch):
+        return check_refused(name, arch, target, draft)
+    rec = check_drafter(name, _kwargs(how, target, draft), target, skip_log())
+    rec["arch"] = arch
+    if how == "draft":  # some proposals rejected: the state was rolled back mid-round
+        rec["rolled_back"] = 0 < rec["accepted"] < rec["proposed"]
+        rec["ok"] = rec["ok"] and rec["rolled_back"]
+    return rec
+
+
 def section_hybrid(results, deadline):
     """Each case of :data:`HYBRID_CASES` (``SETTINGS.only`` filters by case name); a generator
     yielding after each so the caller can save the JSON."""
-    skiplog = SkipLog()  # the drafters section, when it ran first, attached the handlers (CUDA only)
-    out = results.setdefault("hybrid", [])
     models: dict[str, tuple] = {}
-    for name, arch, how in HYBRID_CASES:
-        if SETTINGS.only and name not in SETTINGS.only:
-            continue
-        if time.monotonic() > deadline:
-            out.append(dict(name=name, skipped="deadline"))
-            continue
-        t0 = time.monotonic()
-        try:
-            if arch not in models:
-                target = hybrid_target(arch)
-                models[arch] = (target.to(SETTINGS.device), perturbed_copy(target, 0.03).to(SETTINGS.device))
-            target, draft = models[arch]
-            if _inductor_refused(arch):
-                rec = check_refused(name, arch, target, draft)
-            else:
-                rec = check_drafter(name, _kwargs(how, target, draft), target, skiplog)
-                rec["arch"] = arch
-                if how == "draft":  # some proposals rejected: the state was rolled back mid-round
-                    rec["rolled_back"] = 0 < rec["accepted"] < rec["proposed"]
-                    rec["ok"] = rec["ok"] and rec["rolled_back"]
-        except Exception:  # noqa: BLE001
-            rec = dict(name=name, arch=arch, ok=False, error=traceback.format_exc()[-3000:])
-        rec["seconds"] = round(time.monotonic() - t0, 1)
-        out.append(rec)
-        print(
-            f"[hybrid] {name}: ok={rec.get('ok')} {rec.get('seconds')} s events={rec.get('compile_events_after')} "
-            f"skips={len(rec.get('cudagraph_skips', []))} profile={rec.get('profile')} "
-            f"err={(rec.get('error') or rec.get('sync_error') or rec.get('reason') or '')[-400:]}",
-            flush=True,
-        )
-        yield
+    cases = [(name, lambda n=name, a=arch, h=how: check_hybrid(n, a, h, models)) for name, arch, how in HYBRID_CASES]
+    yield from run_cases("hybrid", results.setdefault("hybrid", []), cases, deadline)

@@ -94,6 +94,12 @@ class Drafter:
         :meth:`allocate`, for drafters that prepare per-shape state for a tree (early exit
         captures a graph per tree level)."""
 
+    def stateful_target_refusal(self, model) -> str | None:
+        """Why this drafter cannot draft for ``model``, a target keeping recurrent or
+        linear-attention state, or None (the default) when it can: ``speculate()`` refuses with it.
+        (A drafter running the target's own layers is refused before this: ``runs_target_layers``.)"""
+        return None
+
     def chain_only_reason(self) -> str:
         """Why this drafter drafts chains only (asked by :func:`shape_refusal` only of drafters
         without :class:`TreeDrafting`): the refusal ``speculate(tree=...)`` raises."""

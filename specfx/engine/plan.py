@@ -228,7 +228,7 @@ def check_stateful(runner, drafter, config) -> None:
             f"draft='prompt_lookup'."
         )
     # the other drafters reading hidden states run exactly (decision 82); MTP where its layers keep KV only (86)
-    why = drafter.stateful_target_refusal(runner.model) if drafter.name == "mtp" else None
+    why = drafter.stateful_target_refusal(runner.model)
     if why is not None:
         raise ValueError(f"{who}: {why}. Use EAGLE-3, DFlash or Medusa heads, a draft model or draft='prompt_lookup'.")
     if config.compile and config.background_compile:

@@ -15,8 +15,21 @@ from specfx.model.runner import ModelRunner
 from specfx.sampling.processors import PLACEHOLDER
 from specfx.trees.drafting import draft_tree, level_inputs, tree_view
 
-__all__ = ["DraftModel"]
+__all__ = ["DraftModel", "check_draft_runner"]
 
+
+
+def check_draft_runner(runner: ModelRunner, target: ModelRunner, what: str) -> None:
+    """ValueError unless a draft model's runner fits ``target``: the same vocabulary and device
+    (``what`` names the draft in the message: "draft", "PARD draft")."""
+    if runner.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"{what} and target vocabularies differ: the draft's LM head has {runner.vocab_size} "
+            f"rows, the target's {target.vocab_size}. Speculative decoding needs a draft trained "
+            f"with the target's tokenizer (same vocabulary size and ids)."
+        )
+    if runner.device != target.device:
+        raise ValueError(f"{what} is on {runner.device} but target is on {target.device}; move both to one device.")
 
 class DraftModel(TreeDrafting, Drafter):
     """A smaller HF causal LM sharing the target's vocabulary.
@@ -43,16 +56,7 @@ class DraftModel(TreeDrafting, Drafter):
         self.model = model
 
     def bind(self, target: ModelRunner) -> None:
-        if self.runner.vocab_size != target.vocab_size:
-            raise ValueError(
-                f"draft and target vocabularies differ: the draft's LM head has {self.runner.vocab_size} "
-                f"rows, the target's {target.vocab_size}. Speculative decoding needs a draft trained "
-                f"with the target's tokenizer (same vocabulary size and ids)."
-            )
-        if self.runner.device != target.device:
-            raise ValueError(
-                f"draft is on {self.runner.device} but target is on {target.device}; move both to one device."
-            )
+        check_draft_runner(self.runner, target, "draft")
 
     def allocate(self, batch_size: int, capacity: int) -> None:
         self.runner.allocate(batch_size, capacity)

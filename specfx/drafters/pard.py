@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from specfx.drafters.base import Drafter
+from specfx.drafters.draft_model import check_draft_runner
 from specfx.drafters.drafting import draft_token
 from specfx.drafters.heads.eagle_checkpoint import rope_keys
 from specfx.model.runner import ModelRunner
@@ -123,16 +124,7 @@ class Pard(Drafter):
         return f"Pard({type(self.model).__name__}, mask_token_id={self.mask_token_id})"
 
     def bind(self, target: ModelRunner) -> None:
-        if self.runner.vocab_size != target.vocab_size:
-            raise ValueError(
-                f"PARD draft and target vocabularies differ: the draft's LM head has {self.runner.vocab_size} "
-                f"rows, the target's {target.vocab_size}. Speculative decoding needs a draft trained "
-                f"with the target's tokenizer (same vocabulary size and ids)."
-            )
-        if self.runner.device != target.device:
-            raise ValueError(
-                f"PARD draft is on {self.runner.device} but target is on {target.device}; move both to one device."
-            )
+        check_draft_runner(self.runner, target, "PARD draft")
 
     def allocate(self, batch_size: int, capacity: int) -> None:
         self.runner.allocate(batch_size, capacity)

@@ -18,7 +18,6 @@ from specfx.trees.drafting import draft_tree, level_inputs, tree_view
 __all__ = ["DraftModel", "check_draft_runner"]
 
 
-
 def check_draft_runner(runner: ModelRunner, target: ModelRunner, what: str) -> None:
     """ValueError unless a draft model's runner fits ``target``: the same vocabulary and device
     (``what`` names the draft in the message: "draft", "PARD draft")."""
@@ -30,6 +29,7 @@ def check_draft_runner(runner: ModelRunner, target: ModelRunner, what: str) -> N
         )
     if runner.device != target.device:
         raise ValueError(f"{what} is on {runner.device} but target is on {target.device}; move both to one device.")
+
 
 class DraftModel(TreeDrafting, Drafter):
     """A smaller HF causal LM sharing the target's vocabulary.

@@ -49,8 +49,8 @@ __all__ = [
     "BackgroundCompiler",
     "CompileOnly",
     "NotRun",
-    "provisional_times",
     "exiting",
+    "provisional_times",
     "register_background",
     "wait_for_graphs",
 ]

@@ -18,7 +18,7 @@ import torch
 
 from specfx.config import AUTO, MAX_SPECULATIVE_TOKENS, SpecConfig, check_tree_k
 from specfx.drafters.base import branch_slots, shape_refusal
-from specfx.model.architectures import ARCHITECTURES
+from specfx.model.architectures import inductor_miscompiles
 from specfx.sampling.processors import GREEDY, Mode
 from specfx.trees.types import DynamicTree, TokenTree
 
@@ -238,8 +238,8 @@ def check_stateful(runner, drafter, config) -> None:
             f"(compiled in the foreground) or pass compile=False to speculate()."
         )
     model_type = getattr(runner.model.config, "model_type", None)
-    oldest = getattr(ARCHITECTURES.get(model_type), "inductor_torch", "")
-    if config.compile and config.backend in ("specfx", "inductor") and oldest and torch.__version__ < oldest:
+    oldest = inductor_miscompiles(model_type)
+    if config.compile and config.backend in ("specfx", "inductor") and oldest:
         raise ValueError(
             f"{who}: torch {torch.__version__}'s Inductor miscompiles the round of model type {model_type!r} "
             f"(the compiled kernel corrupts memory; seen on the CPU with torch 2.11, and torch {oldest} compiles "

@@ -51,6 +51,7 @@ __all__ = [
     "COMPILED_SUBSET",
     "REPRESENTATIVE",
     "decodes_incrementally",
+    "inductor_miscompiles",
     "installed",
     "supported",
 ]
@@ -387,6 +388,14 @@ REPRESENTATIVE = (
     "llama mistral qwen2 qwen3 gemma gemma2 phi3 gpt2 gpt_neox opt falcon stablelm bloom mixtral qwen2_moe "
     "deepseek_v3 bert mpt gemma3_text llama4_text gpt_oss cohere2 dory"
 ).split()
+
+
+def inductor_miscompiles(model_type: str | None) -> str:
+    """The oldest torch whose Inductor compiles ``model_type``'s round correctly
+    (``ArchSpec.inductor_torch``) when the installed torch is older than it, else "" (decision 84):
+    ``speculate()`` refuses Inductor for the type then."""
+    oldest = getattr(ARCHITECTURES.get(model_type), "inductor_torch", "")
+    return oldest if oldest and torch.__version__ < oldest else ""
 
 
 def installed(name: str) -> bool:

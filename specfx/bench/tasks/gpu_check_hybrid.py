@@ -24,7 +24,7 @@ import torch
 
 import specfx
 from specfx.bench.tasks.gpu_check_drafters import SETTINGS, check_drafter, left_padded, run_cases, skip_log
-from specfx.model.architectures import ARCHITECTURES
+from specfx.model.architectures import inductor_miscompiles
 from specfx.testing.tiny import STATEFUL_TINY, perturbed_copy, tiny_causal_lm
 
 __all__ = ["HYBRID_CASES", "check_hybrid", "section_hybrid"]
@@ -51,17 +51,12 @@ def hybrid_target(arch: str):
     return model
 
 
-def _kwargs(how: str, target, draft) -> dict:
+def _kwargs(how: str, draft) -> dict:
     if how == "draft":
         return dict(draft=draft, num_speculative_tokens=K)
     if how == "prompt_lookup":
         return dict(draft="prompt_lookup", num_speculative_tokens=K)
     return dict(draft=draft, num_speculative_tokens="auto")
-
-
-def _inductor_refused(arch: str) -> bool:
-    oldest = ARCHITECTURES[arch].inductor_torch if arch in ARCHITECTURES else ""
-    return SETTINGS.backend == "specfx" and bool(oldest) and torch.__version__ < oldest
 
 
 def check_refused(name: str, arch: str, target, draft) -> dict:
@@ -91,9 +86,9 @@ def check_hybrid(name: str, arch: str, how: str, models: dict) -> dict:
         target = hybrid_target(arch)
         models[arch] = (target.to(SETTINGS.device), perturbed_copy(target, 0.03).to(SETTINGS.device))
     target, draft = models[arch]
-    if _inductor_refused(arch):
+    if SETTINGS.backend == "specfx" and inductor_miscompiles(arch):
         return check_refused(name, arch, target, draft)
-    rec = check_drafter(name, _kwargs(how, target, draft), target, skip_log())
+    rec = check_drafter(name, _kwargs(how, draft), target, skip_log())
     rec["arch"] = arch
     if how == "draft":  # some proposals rejected: the state was rolled back mid-round
         rec["rolled_back"] = 0 < rec["accepted"] < rec["proposed"]

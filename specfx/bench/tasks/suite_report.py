@@ -45,18 +45,16 @@ COLUMNS = ("tokens_per_s", "vs_hf_dynamic", "vs_hf_prompt_lookup", "vs_hf_best",
 LABELS = {BASELINE: "HF generate()", "hf_prompt_lookup": "HF prompt lookup", "hf_early_exit": "HF early exit"}
 
 
+def _measured(results: dict, name: str, category: str, key: str) -> float | None:
+    """Method ``name``'s ``key`` on ``category`` (None where it did not run or did not measure it)."""
+    r = results.get(name)
+    if r is None or r["status"] != "ok" or category not in r["categories"]:
+        return None
+    return r["categories"][category].get(key)
+
+
 def _speed(results: dict, name: str, category: str) -> float | None:
-    r = results.get(name)
-    if r is None or r["status"] != "ok" or category not in r["categories"]:
-        return None
-    return r["categories"][category]["tokens_per_s"]
-
-
-def _seconds(results: dict, name: str, category: str) -> float | None:
-    r = results.get(name)
-    if r is None or r["status"] != "ok" or category not in r["categories"]:
-        return None
-    return r["categories"][category].get("median_s")
+    return _measured(results, name, category, "tokens_per_s")
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -78,7 +76,7 @@ def category_summary(results: dict, name: str, category: str) -> dict:
         vs_hf_best=_ratio(speed, ran.get(best)),
         hf_best=best,
         tau=res.get("tau"),
-        time_vs_hf_dynamic=_ratio(_seconds(results, BASELINE, category), _seconds(results, name, category)),
+        time_vs_hf_dynamic=_ratio(*(_measured(results, n, category, "median_s") for n in (BASELINE, name))),
         alpha=res.get("alpha"),
         same_tokens_as_hf_dynamic=res.get("same_tokens_as_hf_dynamic"),
     )

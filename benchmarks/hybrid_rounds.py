@@ -9,7 +9,8 @@ Cases are ``model:mode[:batch]`` (batch: ``--batch`` unless given; mode ``eager`
 from configs, no download): ``qwen3_next-tiny`` (the tests' ``STATEFUL_TINY`` row: 1 GDN + 1
 attention layer), ``qwen3_next-213m`` (Qwen3-Next-style: 9 gated-delta-net + 3 attention layers,
 hidden 768, 8 experts top-2 and a shared expert, vocab 32000; 213M parameters) and ``bamba-tiny``
-(Mamba2 SSD + attention). ``--smoke``: the tiny GDN case only, eager, few tokens (the test's mode).
+(Mamba2 SSD + attention), ``mamba-tiny`` (Mamba1 only) and ``jamba-tiny`` (Mamba1 + attention, MoE),
+whose verify forwards step their mixers one position at a time (decision 90). ``--smoke``: the tiny GDN case only, eager, few tokens (the test's mode).
 
 Per case, in one process, batch ``--batch``, greedy, EOS off, the same random prompts and tokens:
 
@@ -59,6 +60,8 @@ PIECES = ("draft", "snapshot", "verify", "restore", "replay")
 MODELS = {
     "qwen3_next-tiny": ("qwen3_next", dict(STATEFUL_TINY["qwen3_next"])),
     "bamba-tiny": ("bamba", dict(STATEFUL_TINY["bamba"])),
+    "mamba-tiny": ("mamba", dict(STATEFUL_TINY["mamba"])),
+    "jamba-tiny": ("jamba", dict(STATEFUL_TINY["jamba"])),
     "qwen3_next-213m": (
         "qwen3_next",
         dict(

@@ -28,9 +28,9 @@ from specfx.model.probe import (
     compare_rows,
     compare_states,
     full_logits,
-    full_states,
     incremental_logits,
     not_causal,
+    own_decoding,
     probe_capacity,
     probe_tokens,
     tree_logits,
@@ -159,7 +159,15 @@ def check_incremental(runner, capacity: int) -> None:
             f"runs it exactly. Check the weights and dtype (float16 overflow is a common cause)."
         )
     failure = _probe(runner, seq, full, capacity)
-    retry = not getattr(runner, "stateful", False)  # the rowwise protocol has no state rollback
+    stateful = getattr(runner, "stateful", False)
+    if failure is not None and stateful and runner.probed_capacity == 0 and not runner.state_steps:
+        runner.state_steps = True  # verify by the mixers' single steps (decision 90)
+        stepped = _probe(runner, seq, full, capacity)
+        if stepped is None:
+            failure = None
+        else:
+            runner.state_steps = False
+    retry = not stateful  # the rowwise protocol has no state rollback
     if failure is not None and retry and runner.probed_capacity == 0 and runner.mask_plan.single == ("full", None):
         runner.protocol = "rowwise_2d"  # e.g. ALiBi from a 2-D mask (Bloom)
         if _probe(runner, seq, full, capacity) is None:
@@ -183,8 +191,9 @@ def check_incremental(runner, capacity: int) -> None:
 
 def _probe(runner, seq: torch.Tensor, full: torch.Tensor, capacity: int):
     """None if specfx's incremental path at ``capacity`` slots reproduces ``full`` (the
-    model's logits ``[L, V]`` for ``seq [L]``); else the exception raised or what differs.
-    The runner's own buffers are left as they were."""
+    model's logits ``[L, V]`` for ``seq [L]``; for a stateful model, its own decoding instead:
+    :func:`~specfx.model.probe.own_decoding`, logits and the state at the end); else the exception
+    raised or what differs. The runner's own buffers are left as they were."""
     try:
         with torch.no_grad(), runner.scratch_cache(2, capacity):
             got = incremental_logits(runner, seq)
@@ -192,7 +201,7 @@ def _probe(runner, seq: torch.Tensor, full: torch.Tensor, capacity: int):
             if runner.stateful:  # the live state at the end (a new snapshot of it) against the model's own
                 states = [t for _, _, t in StateSnapshot(runner.cache).tensors]
                 name = cache_kwarg(runner.model.forward) or state_cache_kwarg(runner.model)
-                ref = full_states(runner.model, seq, name)
+                full, ref = own_decoding(runner.model, seq, name)
     except Exception as e:  # reported by the caller, which names the model
         return e
     found = compare(got, full, runner.dtype)

@@ -169,8 +169,7 @@ _STATE_TINY = {
     "granitemoehybrid": dict(_SSD, layer_types=["mamba", "attention"]),
     "falcon_h1": dict(_SSD, mamba_d_ssm=128),
     "lfm3": dict(layer_types=["conv", "full_attention"]),
-    # refused rows (tests/unit/model/test_hybrid_speculate.py checks the reason on these)
-    "mamba": dict(hidden_size=32, state_size=4),
+    **dict.fromkeys(("mamba", "falcon_mamba"), dict(hidden_size=32, state_size=4)),
     "jamba": dict(
         attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, mamba_d_state=16
     ),
@@ -195,17 +194,16 @@ _STATE_TINY = {
     ),
 }
 
+# Types whose multi-token forward does not continue a cached state the way their single-token decoding
+# (HF's generate() after the prefill) does: the probe finds it and their mixers verify by single steps
+# (decision 90); the row says why
 _MAMBA1 = (
-    "Mamba1 selective-scan layers: transformers' multi-token forward does not hand the cached recurrent state to "
-    "the scan (mamba_selective_scan starts from zero; only the single-token path continues it), so a verify "
-    "forward of K+1 tokens differs from the model's own token-by-token decoding (logits off by 20-130% of their "
-    "scale); it needs transformers to pass the cached state as the scan's initial state"
+    "Mamba1 selective-scan layers, verified by their own single-token steps (transformers' multi-token scan "
+    "starts from a zero state, decision 90)"
 )
 _DT_LIMIT = (
-    "Mamba2 layers whose time step dt is clamped to config.time_step_min (time_step_limit) in transformers' "
-    "multi-token (chunked) path but not in its single-token path, so a verify forward of K+1 tokens differs from "
-    "the model's own token-by-token decoding wherever softplus(dt) < time_step_min (2e-2 of the logits' scale on "
-    "a tiny model); it needs transformers to apply dt_limit in the single-step update too"
+    "Mamba2 SSD layers, verified by their own single-token steps (transformers' multi-token path clamps the time "
+    "step to time_step_min, the single-token path generate() decodes with does not; decision 90)"
 )
 _OUTSIDE = (
     "outside HF's linear-attention cache API (Cache.update_conv_state / update_recurrent_state), so specfx cannot "
@@ -310,12 +308,15 @@ ARCHITECTURES: dict[str, ArchSpec] = {
             ("bamba granitemoehybrid", "Mamba2 SSD layers + full attention"),
             ("falcon_h1", "Mamba2 SSD and attention in the same layer (KV at slots and state in one cache layer)"),
             ("lfm3", "short-conv layers (conv state only) + full attention"),
+            ("mamba falcon_mamba", _MAMBA1),
+            ("jamba", _MAMBA1 + " + full attention, mixture of experts"),
+            ("zamba", _MAMBA1 + " + shared attention blocks"),
+            ("nemotron_h", _DT_LIMIT + " + attention and MLP layers"),
+            ("zamba2", _DT_LIMIT + " + shared attention blocks (KV and state in one cache layer)"),
         )
         for name in names.split()
     },
     # --- refused with the precise reason (decision 79); speculate() quotes it
-    **{name: _r_state(_MAMBA1, **_STATE_TINY.get(name, {})) for name in ("mamba", "falcon_mamba", "jamba", "zamba")},
-    **{name: _r_state(_DT_LIMIT, **_STATE_TINY.get(name, {})) for name in ("nemotron_h", "zamba2")},
     "qwen4_exp_text": _r_state(
         "sparse indexed-attention layers (HF's DynamicIndexedLayer): the indexer keeps a key cache of its own "
         "(Cache.update_indexer) that specfx's slot cache does not hold per row yet (its gated-delta-net layers "

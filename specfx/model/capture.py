@@ -61,21 +61,25 @@ def decoder_blocks(model: nn.Module) -> list[str]:
     ``transformer.h.0``, ...): the children of the outermost ``ModuleList`` of blocks of one
     class holding ``config.num_hidden_layers`` of them, or else the only one whose length
     divides it: a config whose ``num_hidden_layers`` counts sublayers (LongCat-Flash: two
-    attention sublayers per block, ``num_hidden_layers = 2 * num_layers``)."""
+    attention sublayers per block, ``num_hidden_layers = 2 * num_layers``); failing both, the only
+    outermost ``ModuleList`` of ``num_hidden_layers`` blocks of several classes (Jamba's attention and
+    Mamba layers)."""
     n = model.config.get_text_config().num_hidden_layers
-    lists = {name: len(m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0
-             and len({type(x) for x in m}) == 1}
-    outermost = {name: size for name, size in lists.items() if not any(name.startswith(o + ".") for o in lists)}
+    lists = {name: m for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0}
+    outer = {name: m for name, m in lists.items() if not any(name.startswith(o + ".") for o in lists if o != name)}
+    one_class = {name: len(m) for name, m in lists.items() if len({type(x) for x in m}) == 1}
+    outermost = {name: size for name, size in one_class.items() if not any(name.startswith(o + ".") for o in one_class)}
     exact = [name for name, size in outermost.items() if size == n]
     dividing = [name for name, size in outermost.items() if n > 0 and n % size == 0]
-    found = exact[:1] or (dividing if len(dividing) == 1 else [])
+    mixed = [name for name, m in outer.items() if len(m) == n]
+    found = exact[:1] or (dividing if len(dividing) == 1 else []) or (mixed if len(mixed) == 1 else [])
     if not found:
         raise ValueError(
             f"{type(model).__name__}: no ModuleList of config.num_hidden_layers = {n} decoder layers of one "
-            f"class (nor a single one whose length divides it) was found, so the decoder layer boundaries "
-            f"(for an early exit or hidden taps) are unknown."
+            f"class (nor a single one whose length divides it, nor a single one of several classes) was found, "
+            f"so the decoder layer boundaries (for an early exit or hidden taps) are unknown."
         )
-    return [f"{found[0]}.{i}" for i in range(outermost[found[0]])]
+    return [f"{found[0]}.{i}" for i in range(len(lists[found[0]]))]
 
 
 def decoder_layer_names(model: nn.Module) -> list[str]:

@@ -17,7 +17,9 @@ the way the generator runs it:
   stale keys in later slots that the next chunk overwrites (:data:`TAIL`);
 * for a model with recurrent state, the same chunks each rolled back to its accepted inputs, one
   of them rejected entirely (:data:`STATE_TAIL`), and the state at the end compared with the
-  model's own state after its full forward (:func:`compare_states`).
+  model's own (:func:`compare_states`). The reference is then the model's own decoding, as HF's
+  ``generate()`` runs it (:func:`own_decoding`: a forward over the prefill, then one token at a time),
+  not its full forward: a recurrent model's multi-token and single-token paths may differ (decision 90).
 
 The comparison is strict (:func:`compare`): every logit within a dtype-aware tolerance and
 the same argmax at every position (up to near-ties within that tolerance).
@@ -39,8 +41,8 @@ __all__ = [
     "compare",
     "compare_states",
     "full_logits",
-    "full_states",
     "incremental_logits",
+    "own_decoding",
     "not_causal",
     "probe_capacity",
     "probe_length",
@@ -166,23 +168,34 @@ def incremental_logits(runner, seq: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.cat(r) for r in rows]).float()
 
 
-def full_states(model, seq: torch.Tensor, cache_name: str) -> list[torch.Tensor]:
-    """The model's own state after its full forward over ``seq [L]`` (row 0 of the probe) and over
-    ``seq[:L - PAD]`` (row 1's real tokens): every conv and recurrent tensor of its stateful
-    layers, in :class:`~specfx.model.recurrent.StateSnapshot`'s order, each ``[2, ...]``."""
+def own_decoding(model, seq: torch.Tensor, cache_name: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The model's own decoding of the probe's two rows, as HF's ``generate()`` runs it: a forward
+    over the row's prefill (what :func:`incremental_logits` prefills), then one token at a time
+    through the model's own cache. Returns the float logits ``[2L - PAD, V]`` (row 0's, then row
+    1's: ``seq[:L - PAD]``) and the state at the end: every conv and recurrent tensor of its stateful layers, in
+    :class:`~specfx.model.recurrent.StateSnapshot`'s order, each ``[2, ...]``."""
     from specfx.model.recurrent import StateSnapshot
 
-    rows = []
-    for part in (seq, seq[: seq.numel() - PAD]):
+    logits, states = [], []
+    prefill = seq.numel() - TAIL_TOKENS
+    for part, start in ((seq, prefill), (seq[: seq.numel() - PAD], prefill - PAD)):
         pos = torch.arange(part.numel(), device=seq.device).unsqueeze(0)
-        out = model(input_ids=part.unsqueeze(0), position_ids=pos, use_cache=True)
-        rows.append([t for _, _, t in StateSnapshot(getattr(out, cache_name)).tensors])
-    return [torch.cat(pair) for pair in zip(*rows, strict=True)]
+        out = model(input_ids=part[None, :start], position_ids=pos[:, :start], use_cache=True)
+        rows = [out.logits[0]]
+        for t in range(start, part.numel()):
+            cache = getattr(out, cache_name)
+            out = model(
+                input_ids=part[None, t : t + 1], position_ids=pos[:, t : t + 1], use_cache=True, **{cache_name: cache}
+            )
+            rows.append(out.logits[0])
+        logits.append(torch.cat(rows))
+        states.append([t for _, _, t in StateSnapshot(getattr(out, cache_name)).tensors])
+    return torch.cat(logits).float(), [torch.cat(pair) for pair in zip(*states, strict=True)]
 
 
 def compare_states(got: list[torch.Tensor], ref: list[torch.Tensor], dtype: torch.dtype) -> str | None:
     """None if every state tensor ``got`` (specfx's, after :func:`incremental_logits`) is within
-    ``REL_TOL[dtype]`` of the largest ``|ref|`` of its tensor (:func:`full_states`), row by row;
+    ``REL_TOL[dtype]`` of the largest ``|ref|`` of its tensor (:func:`own_decoding`), row by row;
     else what differs. Logits see the last chunk's rollback only through later positions, of which
     the probe has none: the state itself is compared."""
     if len(got) != len(ref):
@@ -255,11 +268,12 @@ def compare_rows(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> st
 
 def compare(got: torch.Tensor, full: torch.Tensor, dtype: torch.dtype) -> str | None:
     """None if ``got`` (:func:`incremental_logits`' ``[2L - PAD, V]``) reproduces ``full``
-    (:func:`full_logits`' ``[L, V]``): every logit within ``REL_TOL[dtype] * max|full|`` and,
+    (:func:`full_logits`' ``[L, V]``, or both rows' own references ``[2L - PAD, V]``:
+    :func:`own_decoding`'s): every logit within ``REL_TOL[dtype] * max|full|`` and,
     at every position, got's argmax a top token of the reference (within the same tolerance:
     near-ties may flip). Else what differs, in words."""
-    length = full.shape[0]
-    ref = torch.cat([full, full[: length - PAD]])  # row 1 decodes a prefix: causal, same logits
+    length = (got.shape[0] + PAD) // 2
+    ref = full if full.shape[0] == got.shape[0] else torch.cat([full, full[: length - PAD]])  # row 1: a prefix
     found = _mismatch(got, ref, dtype)
     if found is None:
         return None

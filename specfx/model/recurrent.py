@@ -211,9 +211,19 @@ class MixerTaps:
     module with the same ``layer_idx``) only the modules that write the state are mixers: given
     ``run`` (one forward through ``cache``), those are found by running it (decision 79). Hooks are registered by :meth:`attach` (or for the block of
     :meth:`recording`) and record only while :attr:`on`; the engine's version may tap the captured
-    graph instead, as the hidden-taps pass does."""
+    graph instead, as the hidden-taps pass does.
 
-    def __init__(self, model, cache, run=None):
+    ``steps`` (decision 90): while recording, a mixer's forward over T > 1 inputs is replaced by T
+    calls of its own single-token path, for the types whose multi-token forward does not continue
+    a cached state the way their single-token decoding does (Mamba1's scan starts from zero;
+    NemotronH's and Zamba2's chunked path clamps the time step the single step does not): the
+    recording forwards (a verify, a draft's catch-up) are the only multi-token forwards from a live
+    state (a prefill starts from zero, where both paths agree with HF's own prefill). The recording
+    pre-hook hands the module position 0 alone (its own call is the first step), and a forward hook
+    calls the module's ``forward`` on each later position (hooks not re-entered) and returns the
+    joined outputs: no multi-token call runs."""
+
+    def __init__(self, model, cache, run=None, steps: bool = False):
         linear = {i for i, _ in stateful_layers(cache)}
         candidates = [
             (name, mod) for name, mod in model.named_modules() if isinstance(getattr(mod, "layer_idx", None), int)
@@ -232,12 +242,26 @@ class MixerTaps:
         self.on = False  # record only while True (the replays call the same modules)
         self._handles: list = []
         self._step = StateSnapshot(cache)  # the state before a replay step (replay_steps), taken in place
+        self.steps = steps
+        self._pending: dict[int, tuple[tuple, dict]] = {}  # steps: a stepped call's own inputs, by mixer
 
         def hook(mod, args, kwargs):  # one function for every attach: a compiled graph guards on it
             if self.on:
                 self.inputs.setdefault(id(mod), []).append((args, kwargs))
+                if self.steps and _width(args, kwargs) > 1:  # the module runs position 0 alone
+                    self._pending[id(mod)] = (args, kwargs)
+                    return _column(args, 0), _step_kw(kwargs, 0)
+            return None
 
-        self._hook = hook
+        def stepped(mod, args, kwargs, out):  # steps only: positions 1.. by single-token calls, joined
+            pending = self._pending.pop(id(mod), None) if self.on else None
+            if pending is None:
+                return None
+            args, kwargs = pending
+            rest = [mod.forward(*_column(args, t), **_step_kw(kwargs, t)) for t in range(1, _width(args, kwargs))]
+            return _cat_steps([out, *rest])
+
+        self._hook, self._stepped = hook, stepped
         self.attached = False  # a plain flag a compiled graph can read (not the hook handles)
 
     def attach(self) -> None:
@@ -246,6 +270,8 @@ class MixerTaps:
         cannot be traced."""
         if not self._handles:
             self._handles = [m.register_forward_pre_hook(self._hook, with_kwargs=True) for m in self.mixers]
+            if self.steps:
+                self._handles += [m.register_forward_hook(self._stepped, with_kwargs=True) for m in self.mixers]
             self.attached = True
 
     def detach(self) -> None:
@@ -388,8 +414,7 @@ def _columns(recorded: list[tuple[tuple, dict]]) -> list[tuple[tuple, dict, int]
     forward's width is its first time-indexed tensor's (``[B, T, ...]``), a static shape."""
     out = []
     for args, kwargs in recorded:
-        width = next(v.shape[1] for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.dim() >= 2)
-        out.extend((args, kwargs, t) for t in range(width))
+        out.extend((args, kwargs, t) for t in range(_width(args, kwargs)))
     return out
 
 
@@ -408,6 +433,28 @@ def _prefix_kw(kwargs, length, cache):
             out[name] = cache
     out["attention_mask"] = None  # a verify forward has no padding
     return out
+
+
+def _width(args, kwargs) -> int:
+    """The number of input positions of a mixer call (its first ``[B, T, ...]`` tensor's T)."""
+    return next(v.shape[1] for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.dim() >= 2)
+
+
+def _step_kw(kwargs, t):
+    """A recorded call's keyword arguments for its input position ``t`` alone (the cache and
+    every other argument as recorded; a 2-D padding mask sliced like the inputs)."""
+    return {k: _slice(v, slice(t, t + 1)) for k, v in kwargs.items()}
+
+
+def _cat_steps(outs: list):
+    """One forward's output from its single-position calls' (a tensor ``[B, 1, ...]`` each, or a
+    tuple whose ``[B, 1, ...]`` tensors are joined and other entries taken from the last call)."""
+    if isinstance(outs[0], torch.Tensor):
+        return torch.cat(outs, dim=1)
+    return type(outs[0])(
+        torch.cat(parts, dim=1) if isinstance(parts[-1], torch.Tensor) and parts[-1].dim() >= 2 else parts[-1]
+        for parts in zip(*outs, strict=True)
+    )
 
 
 def _column(args, t):

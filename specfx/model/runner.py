@@ -102,6 +102,9 @@ class ModelRunner:
         self.stateful = keeps_state(model)
         self.state_snapshot: StateSnapshot | None = None
         self.mixer_taps: MixerTaps | None = None
+        # the mixers verify by their single-token path (decision 90): set by the probe, which tries
+        # the multi-token forward first
+        self.state_steps = False
         check_incremental(self, probe_capacity(self.probe_length))
 
     @property
@@ -146,7 +149,9 @@ class ModelRunner:
             self.forward(zeros, zeros, trash)
             if self.stateful:  # the mixers: the modules that touch state in a second such forward
                 self.state_snapshot = StateSnapshot(self.cache)
-                self.mixer_taps = MixerTaps(self.model, self.cache, run=lambda: self.forward(zeros, zeros, trash))
+                self.mixer_taps = MixerTaps(
+                    self.model, self.cache, run=lambda: self.forward(zeros, zeros, trash), steps=self.state_steps
+                )
                 self.reset_state()
 
     # ------------------------------------------- recurrent state (decision 76; stateful models only)

@@ -203,23 +203,10 @@ def test_mixed_layer_types_get_a_mask_per_type():
 
 # model type -> config overrides giving a small instance; each must be refused at speculate().
 REFUSED = {
-    "mamba": dict(hidden_size=32, num_hidden_layers=2, state_size=4, vocab_size=64),
     "rwkv": dict(hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64, vocab_size=64),
-    "jamba": dict(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=32,
-        num_experts=2,
-        vocab_size=64,
-        attn_layer_period=2,
-        attn_layer_offset=1,
-        expert_layer_period=2,
-        expert_layer_offset=1,
-    ),
-    # qwen3_next and falcon_h1 run as targets (decisions 76, 79) and as draft models (81) since:
-    # tests/unit/model/test_hybrid_speculate.py, tests/unit/drafters/test_stateful_draft.py
+    # qwen3_next, falcon_h1 and (verified by single steps, decision 90) mamba and jamba run as targets
+    # (decisions 76, 79) and as draft models (81) since: tests/unit/model/test_hybrid_speculate.py,
+    # tests/unit/drafters/test_stateful_draft.py
     "xlnet": dict(d_model=32, n_layer=2, n_head=2, d_inner=32, vocab_size=64),
     "openai-gpt": dict(n_embd=32, n_layer=2, n_head=2, vocab_size=64),
 }

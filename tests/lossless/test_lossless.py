@@ -373,9 +373,14 @@ def _stateful_draft(target, stateful_draft, head, mtp):
     return tiny_causal_lm("llama", vocab_size=V, eos_token_id=None, initializer_range=0.12, seed=4)
 
 
-# one GDN hybrid (a gated-delta-net layer beside an attention layer) and Mamba2 (state only; its
-# torch scan pads every forward to a whole chunk: 8, not 256, keeps 6000 rows fast)
-_STATEFUL = {"qwen3_next": STATEFUL_TINY["qwen3_next"], "mamba2": dict(STATEFUL_TINY["mamba2"], chunk_size=8)}
+# one GDN hybrid (a gated-delta-net layer beside an attention layer), Mamba2 (state only; its torch scan
+# pads every forward to a whole chunk: 8, not 256, keeps 6000 rows fast) and Mamba1 (state only, verified by
+# its single-token steps: decision 90)
+_STATEFUL = {
+    "qwen3_next": STATEFUL_TINY["qwen3_next"],
+    "mamba2": dict(STATEFUL_TINY["mamba2"], chunk_size=8),
+    "mamba": STATEFUL_TINY["mamba"],
+}
 
 
 # the default tier runs the GDN hybrid, plain (1-3 min a case on 2 cores); --full (CI) every case

@@ -12,7 +12,8 @@ Cases: a gated-delta-net hybrid (``qwen3_next``: one GDN and one attention layer
 model (a perturbed copy: rounds accept some proposals and reject the rest), with prompt lookup (a
 tiny random model repeats too little: every proposal rejected, the rollback at n = 0 every round)
 and with ``"auto"``; LFM2's short convolutions (``lfm2``, conv state only) with the draft model; a
-Mamba2 SSD type (``mamba2``). Where this torch's Inductor is known to miscompile a type's round
+Mamba2 SSD type (``mamba2``); Jamba (Mamba1 + attention), whose verify forwards step its mixers one
+position at a time (decision 90), with prompt lookup. Where this torch's Inductor is known to miscompile a type's round
 (``ArchSpec.inductor_torch``: Mamba2 and KDA mixers before torch 2.13, decision 84; the GPU image
 has torch 2.11), the case checks that ``speculate()`` refuses it with the reason instead, and that
 ``backend="specfx_eager"`` (traced, not lowered) still runs it exactly on the device.
@@ -37,6 +38,7 @@ HYBRID_CASES = (
     ("lfm2_draft", "lfm2", "draft"),
     ("mamba2_draft", "mamba2", "draft"),
     ("qwen3_next_prompt_lookup", "qwen3_next", "prompt_lookup"),
+    ("jamba_prompt_lookup", "jamba", "prompt_lookup"),
     ("qwen3_next_auto", "qwen3_next", "auto"),
 )
 

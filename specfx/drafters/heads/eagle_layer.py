@@ -80,7 +80,15 @@ def _attention_layer_type(config, owner: str) -> None:
             f"EAGLE-3 or DFlash draft (attention layers of their own), Medusa heads or a draft model."
         )
     types[0] = attention[0]
-    config.layer_types = types
+    try:
+        config.layer_types = types
+    except AttributeError as e:  # derived from other fields (Jamba's attn_layer_period): not settable
+        raise ValueError(
+            f"{owner}: this target's layer 0 keeps recurrent or linear-attention state and its config derives "
+            f"its layer types from other fields ({type(config).__name__}.layer_types cannot be set), so EAGLE-1's "
+            f"layer (the target's own layer class) cannot be built as an attention layer. Use an EAGLE-3 or DFlash "
+            f"draft (attention layers of their own), Medusa heads or a draft model."
+        ) from e
 
 
 def _head_layer(cls, config, model, owner: str) -> nn.Module:

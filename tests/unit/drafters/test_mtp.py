@@ -213,9 +213,10 @@ def test_draft_mtp_on_a_model_without_mtp_layers_is_a_clear_error(model, match):
             # admitted as a target (decision 79); MTP refused with its table row's reason (decision 86:
             # transformers cannot build its MTP layers, and specfx has no layout for them)
             ("bailing_hybrid", r"refused on model type 'bailing_hybrid': its checkpoints keep the MTP layers"),
+            # admitted as a target (decision 90: verified by single steps); transformers' own MTP layers refused
+            ("nemotron_h", r"keeps recurrent or linear-attention state: transformers' MTP layers \(MtpModel\)"),
             # refused as targets, with the table's reason, MTP or not
             ("inkling_text", r"cannot speculate model type 'inkling_text' exactly"),
-            ("nemotron_h", r"cannot speculate model type 'nemotron_h' exactly"),
             ("deepseek_v4", r"cannot speculate model type 'deepseek_v4' exactly"),
         )
         if installed(a)

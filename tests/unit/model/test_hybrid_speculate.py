@@ -162,7 +162,7 @@ def _compiled_check(model, backend):
         assert 0 < spec.stats.accepted < spec.stats.proposed
     assert len(spec.graphs) == 2, f"{len(spec.graphs)} graphs"  # batch 1 and the bucket of 4
     assert {g.compiler for g in spec.graphs} == {"inductor" if backend == "specfx" else "eager"}
-    assert all(not m._forward_pre_hooks for m in model.modules())
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
 
 
 @torch.no_grad()
@@ -191,6 +191,29 @@ def test_inductor_round_is_one_graph_and_equals_generate(arch, one_thread):
     _compiled_check(model, "specfx")
 
 
+# Types whose multi-token forward does not continue a cached state as their own single-token decoding
+# does (Mamba1's scan starts from zero; NemotronH's and Zamba2's chunked path clamps the time step)
+STEPPED = {"mamba", "falcon_mamba", "jamba", "zamba", "nemotron_h", "zamba2"}
+
+
+@pytest.mark.parametrize("arch", [_param(name, default={"mamba", "nemotron_h", "qwen3_next"}) for name in sorted(TINY)])
+@torch.no_grad()
+def test_the_probe_verifies_by_single_steps_exactly_where_the_multi_token_forward_differs(arch, one_thread):
+    """Decision 90: the incremental-decoding probe, whose reference for a stateful model is its own
+    decoding (prefill, then one token at a time, as generate() runs it), tries the multi-token verify
+    forward first and the mixers' single steps only when it fails. Negative control: with the steps
+    turned off, the probe refuses every stepped type (their greedy tests above need the steps)."""
+    from specfx.model.admission import check_incremental
+    from specfx.model.runner import ModelRunner
+
+    runner = ModelRunner(_model(arch), "target")
+    assert runner.state_steps == (arch in STEPPED)
+    if arch in STEPPED:
+        runner.state_steps = False  # a later capacity's probe keeps the choice: no retry with steps
+        with pytest.raises(ValueError, match="does not decode incrementally"):
+            check_incremental(runner, 2 * runner.probed_capacity)
+
+
 @torch.no_grad()
 def test_returning_the_cache_is_refused(model, one_thread):
     spec = specfx.speculate(model, draft="prompt_lookup", num_speculative_tokens=K, compile=False)
@@ -213,12 +236,8 @@ def test_what_is_not_supported_yet_is_refused(model, options, match):
 
 
 # Types refused with their precise reason (the table's), built tiny as the table's rows say
-REFUSED = ("inkling_text", "jamba", "mamba", "nemotron_h", "qwen4_exp_text", "zamba2")
+REFUSED = ("inkling_text", "qwen4_exp_text")
 REASONS = {
-    "mamba": r"'mamba' exactly: Mamba1 selective-scan layers.*does not hand the cached recurrent state to the scan",
-    "jamba": r"'jamba' exactly: Mamba1 selective-scan layers.*initial state",
-    "nemotron_h": r"'nemotron_h' exactly: Mamba2 layers whose time step dt is clamped.*single-step update",
-    "zamba2": r"'zamba2' exactly: Mamba2 layers whose time step dt is clamped",
     "qwen4_exp_text": r"'qwen4_exp_text' exactly: sparse indexed-attention layers.*update_indexer",
     "inkling_text": r"'inkling_text' exactly: attention whose relative-position bias.*not from position_ids",
 }

@@ -26,7 +26,8 @@ from tests.conftest import left_padded, prompt, tiered
 from tests.unit.model.test_hybrid_speculate import _table
 
 K = 3  # DFlash's block of 4: K + 1
-ARCHS = ("mamba2", "qwen3_next")  # Mamba2 SSD (state only), a gated-delta-net hybrid
+# Mamba2 SSD (state only), a gated-delta-net hybrid, Mamba1 + attention (verified by single steps: decision 90)
+ARCHS = ("mamba2", "qwen3_next", "jamba")
 HEADS = ("dflash", "eagle", "eagle3", "medusa")
 
 pytestmark = pytest.mark.filterwarnings("ignore::specfx.drafters.heads.checkpoint.HeadLayoutWarning")
@@ -68,7 +69,7 @@ def _assert_equal(spec, target, ids, mask, new):
     return expected
 
 
-_PAIRS = [(a, h) for a in ARCHS for h in HEADS if (a, h) != ("mamba2", "eagle")]
+_PAIRS = [(a, h) for a in ARCHS for h in HEADS if h != "eagle" or a == "qwen3_next"]
 
 
 @pytest.mark.parametrize(("arch", "kind"), tiered(_PAIRS, [("qwen3_next", "eagle3")], several=True))
@@ -79,7 +80,7 @@ def test_greedy_equals_generate_with_rejecting_rounds(arch, kind, one_thread):
     for (ids, mask), new in _cases():
         _assert_equal(spec, target, ids, mask, new)
         assert spec.stats.accepted < spec.stats.proposed  # rejected proposals were rolled back
-    assert all(not m._forward_pre_hooks for m in target.modules())  # the user's model keeps no hook
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in target.modules())  # the user's model keeps no hook
 
 
 class ReferenceMedusa(Medusa):
@@ -130,7 +131,7 @@ def test_inductor_round_is_one_graph_and_equals_generate(kind, one_thread):
         with torch._dynamo.config.patch(error_on_recompile=i == 2):
             _assert_equal(spec, target, ids, mask, new)
     assert len(spec.graphs) == 2 and {g.compiler for g in spec.graphs} == {"inductor"}
-    assert all(not m._forward_pre_hooks for m in target.modules())
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in target.modules())
 
 
 @pytest.mark.parametrize(
@@ -138,12 +139,13 @@ def test_inductor_round_is_one_graph_and_equals_generate(kind, one_thread):
     [
         ("mamba2", "mtp", r"MTP layers \(MtpModel\) are built from the target's own decoder-layer class"),
         ("mamba2", "eagle", r"every layer type of this target.*keeps recurrent or linear-attention state"),
+        ("jamba", "eagle", r"derives its layer types from other fields.*Use an EAGLE-3 or DFlash draft"),
     ],
 )
 def test_what_cannot_run_exactly_is_refused(arch, draft, match):
     """MTP without a layout of its own (transformers' MtpModel layers are the target's class, which may
     keep state; Qwen3-Next's run, decision 86); EAGLE-1 on a target whose every layer keeps state (its
-    layer would keep state of its own)."""
+    layer would keep state of its own) or whose layer types cannot be set (Jamba's are derived)."""
     target = _target(arch)
     with pytest.raises(ValueError, match=match):
         specfx.speculate(target, draft=_head(draft, target) if draft == "eagle" else draft, compile=False)

@@ -5,7 +5,8 @@
 # What no GPU run has checked: targets with recurrent / linear-attention state compiled on CUDA
 # (Inductor + CUDA graphs): a gated-delta-net hybrid (qwen3_next) with a hybrid draft model,
 # prompt lookup and "auto"; LFM2 short convs; Mamba2 SSD (torch 2.11's Inductor is refused for
-# it by design, decision 84: the case checks the refusal and runs the traced round instead).
+# it by design, decision 84: the case checks the refusal and runs the traced round instead); Jamba
+# (Mamba1 + attention, its verify stepping the mixers one position at a time, decision 90).
 # Per case: greedy = generate() on a left-padded batch twice (the second compiles nothing),
 # rounds that reject (state rolled back), CUDA-graph skips, warm rounds under the sync detector,
 # one profiled call (cudaGraphLaunch per round, device busy fraction).

@@ -194,9 +194,7 @@ _STATE_TINY = {
     ),
 }
 
-# Types whose multi-token forward does not continue a cached state the way their single-token decoding
-# (HF's generate() after the prefill) does: the probe finds it and their mixers verify by single steps
-# (decision 90); the row says why
+# Multi-token forward unlike the single-token decoding: the probe finds it, the mixers verify by steps (90)
 _MAMBA1 = (
     "Mamba1 selective-scan layers, verified by their own single-token steps (transformers' multi-token scan "
     "starts from a zero state, decision 90)"

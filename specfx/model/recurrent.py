@@ -39,6 +39,7 @@ from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerM
 from specfx.model.cache import SlotCache, SlotLayer
 from specfx.model.dynamo import mark_static
 from specfx.model.masks import attention_mask_keys, cache_layer_classes, state_only_layer_types
+from specfx.model.mixer_calls import cat_steps, column, column_kw, columns, prefix, prefix_kw, step_kw, width
 
 __all__ = [
     "MixerTaps",
@@ -248,9 +249,9 @@ class MixerTaps:
         def hook(mod, args, kwargs):  # one function for every attach: a compiled graph guards on it
             if self.on:
                 self.inputs.setdefault(id(mod), []).append((args, kwargs))
-                if self.steps and _width(args, kwargs) > 1:  # the module runs position 0 alone
+                if self.steps and width(args, kwargs) > 1:  # the module runs position 0 alone
                     self._pending[id(mod)] = (args, kwargs)
-                    return _column(args, 0), _step_kw(kwargs, 0)
+                    return column(args, 0), step_kw(kwargs, 0)
             return None
 
         def stepped(mod, args, kwargs, out):  # steps only: positions 1.. by single-token calls, joined
@@ -258,8 +259,8 @@ class MixerTaps:
             if pending is None:
                 return None
             args, kwargs = pending
-            rest = [mod.forward(*_column(args, t), **_step_kw(kwargs, t)) for t in range(1, _width(args, kwargs))]
-            return _cat_steps([out, *rest])
+            rest = [mod.forward(*column(args, t), **step_kw(kwargs, t)) for t in range(1, width(args, kwargs))]
+            return cat_steps([out, *rest])
 
         self._hook, self._stepped = hook, stepped
         self.attached = False  # a plain flag a compiled graph can read (not the hook handles)
@@ -340,7 +341,7 @@ class MixerTaps:
         that accepted alike; one recorded forward); see :meth:`replay_steps` for per-row lengths."""
         for mod in self.mixers:
             (args, kwargs), *_ = self.inputs[id(mod)]
-            mod(*_prefix(args, length), **_prefix_kw(kwargs, length, cache))
+            mod(*prefix(args, length), **prefix_kw(kwargs, length, cache))
 
     def replay_steps(self, cache, n: torch.Tensor, tokens: int | None = None) -> None:
         """Per-row lengths with fixed shapes: ``tokens`` single-position mixer calls from the
@@ -349,14 +350,14 @@ class MixerTaps:
         in order (one forward's, or several forwards' one after another; ``tokens`` None: all of
         them). The caller has restored the snapshot taken before the first recorded forward."""
         before = self._step  # static buffers allocated with the taps, reused by every step and round
-        columns = {id(mod): _columns(self.inputs[id(mod)]) for mod in self.mixers}
+        cols = {id(mod): columns(self.inputs[id(mod)]) for mod in self.mixers}
         if tokens is None:
-            tokens = len(columns[id(self.mixers[0])])
+            tokens = len(cols[id(self.mixers[0])])
         for t in range(tokens):
             before.take()
             for mod in self.mixers:
-                args, kwargs, col = columns[id(mod)][t]
-                mod(*_column(args, col), **_column_kw(kwargs, col, cache))
+                args, kwargs, col = cols[id(mod)][t]
+                mod(*column(args, col), **column_kw(kwargs, col, cache))
             before.restore(keep=t <= n)
 
 
@@ -407,59 +408,3 @@ def _state_writers(mods, cache, run) -> list:
         for h in handles:
             h.remove()
     return [m for m in mods if id(m) in touched]
-
-
-def _columns(recorded: list[tuple[tuple, dict]]) -> list[tuple[tuple, dict, int]]:
-    """(args, kwargs, column) of every input position of the recorded forwards, in order; a
-    forward's width is its first time-indexed tensor's (``[B, T, ...]``), a static shape."""
-    out = []
-    for args, kwargs in recorded:
-        out.extend((args, kwargs, t) for t in range(_width(args, kwargs)))
-    return out
-
-
-def _slice(x, sl):
-    return x[:, sl] if isinstance(x, torch.Tensor) and x.dim() >= 2 else x
-
-
-def _prefix(args, length):
-    return tuple(_slice(a, slice(0, length)) for a in args)
-
-
-def _prefix_kw(kwargs, length, cache):
-    out = {k: _slice(v, slice(0, length)) for k, v in kwargs.items()}
-    for name in ("cache", "cache_params", "past_key_values"):
-        if name in out:
-            out[name] = cache
-    out["attention_mask"] = None  # a verify forward has no padding
-    return out
-
-
-def _width(args, kwargs) -> int:
-    """The number of input positions of a mixer call (its first ``[B, T, ...]`` tensor's T)."""
-    return next(v.shape[1] for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.dim() >= 2)
-
-
-def _step_kw(kwargs, t):
-    """A recorded call's keyword arguments for its input position ``t`` alone (the cache and
-    every other argument as recorded; a 2-D padding mask sliced like the inputs)."""
-    return {k: _slice(v, slice(t, t + 1)) for k, v in kwargs.items()}
-
-
-def _cat_steps(outs: list):
-    """One forward's output from its single-position calls' (a tensor ``[B, 1, ...]`` each, or a
-    tuple whose ``[B, 1, ...]`` tensors are joined and other entries taken from the last call)."""
-    if isinstance(outs[0], torch.Tensor):
-        return torch.cat(outs, dim=1)
-    return type(outs[0])(
-        torch.cat(parts, dim=1) if isinstance(parts[-1], torch.Tensor) and parts[-1].dim() >= 2 else parts[-1]
-        for parts in zip(*outs, strict=True)
-    )
-
-
-def _column(args, t):
-    return tuple(_slice(a, slice(t, t + 1)) for a in args)
-
-
-def _column_kw(kwargs, t, cache):
-    return _prefix_kw({k: _slice(v, slice(t, t + 1)) for k, v in kwargs.items()}, 1, cache)

@@ -29,8 +29,10 @@ The round split (K = 4, after the generate calls, rows finished: the shapes and 
 round, as "auto" times them). Eager: one round at a time (``spec.round_fn(4)``), the pieces timed
 in place by wrapping the generator's own objects for this measurement only: ``draft`` (the
 oracle's ``propose``), ``verify`` (the target's K+1-token forward), ``snapshot`` (the state copy
-before it), ``restore`` and ``replay`` (the K+1 single-position mixer steps of
-``roll_back_state``); rollback = snapshot + restore + replay; ``other`` = the round less the
+before it), and ``roll_back_state``'s work: ``select`` (decision 91: each row's state picked from
+those the verify's single steps passed through) or, for the types verified by one multi-token
+forward, ``restore`` and ``replay`` (the snapshot written back, then up to K+1 single-position
+mixer steps); rollback = snapshot + restore + replay + select; ``other`` = the round less the
 pieces (acceptance, bookkeeping). Every mode: ``round`` (K = 4) and ``round0`` (K = 0) timed
 whole, and ``no_rollback``: the same round in a generator whose ``roll_back_state`` only drops the
 recorded inputs (wrong output, timing only), so round - no_rollback is the rollback as compiled.
@@ -56,7 +58,7 @@ from specfx.bench.oracle import OracleDrafter, greedy_continuation
 from specfx.testing.tiny import STATEFUL_TINY, tiny_causal_lm
 
 K = 4
-PIECES = ("draft", "snapshot", "verify", "restore", "replay")
+PIECES = ("draft", "snapshot", "verify", "restore", "replay", "select")
 MODELS = {
     "qwen3_next-tiny": ("qwen3_next", dict(STATEFUL_TINY["qwen3_next"])),
     "bamba-tiny": ("bamba", dict(STATEFUL_TINY["bamba"])),
@@ -104,6 +106,7 @@ def timed_pieces(spec, acc: dict):
         "verify": (runner, "forward"),
         "restore": (runner.state_snapshot, "restore"),
         "replay": (runner.mixer_taps, "replay_steps"),
+        "select": (runner.mixer_taps, "select"),
     }
 
     def wrap(piece, fn):
@@ -128,7 +131,7 @@ def timed_pieces(spec, acc: dict):
 def without_rollback(spec) -> None:
     """Timing only: this generator's rounds keep every verified input in the state (wrong output)."""
     runner = spec.target_runner
-    runner.roll_back_state = lambda n, tokens: runner.mixer_taps.inputs.clear()
+    runner.roll_back_state = lambda n, tokens: (runner.mixer_taps.inputs.clear(), runner.mixer_taps.after.clear())
 
 
 def round_split(specs: dict, compiled: bool, repeats: int) -> dict:
@@ -166,7 +169,7 @@ def _round_split(specs: dict, calls: dict, compiled: bool, repeats: int) -> dict
     # the fastest of each (load from other processes only adds time, as "auto" times rounds)
     ms = {name: 1e3 * min(v) for name, v in samples.items()}
     if not compiled:
-        ms["rollback"] = ms["snapshot"] + ms["restore"] + ms["replay"]
+        ms["rollback"] = ms["snapshot"] + ms["restore"] + ms["replay"] + ms["select"]
         rest = [r - sum(samples[p][i] for p in PIECES) for i, r in enumerate(samples["round"])]
         ms["other"] = 1e3 * min(rest)  # acceptance and bookkeeping: the round less its pieces
     ms["rollback_compiled_way"] = ms["round"] - ms["no_rollback"]
@@ -238,7 +241,7 @@ RATIO_COLUMNS = (
     "auto α=0 / K=0", "auto α=0 / best plain", "before 83: auto α=0 / K=0", "same tokens", "load",
 )  # fmt: skip
 SPLIT_COLUMNS = (
-    "case", "round K=0 ms", "round K=4 ms", "draft", "verify", "rollback (snapshot + restore + replay)", "other",
+    "case", "round K=0 ms", "round K=4 ms", "draft", "verify", "rollback (snapshot + restore + replay + select)", "other",
     "rollback share", "round − no-rollback round", "auto's t(0), t(4) ms", "auto's Ks α=0 / α=1 / before 83 α=0",
 )  # fmt: skip
 
@@ -263,7 +266,9 @@ def ratio_cells(r: dict) -> list[str]:
 def split_cells(r: dict) -> list[str]:
     s, t = r["split_ms"], r["auto_times_ms"]
     if "verify" in s:  # eager: the pieces timed in place
-        rollback = f"{s['rollback']:.2f} ({s['snapshot']:.3f} + {s['restore']:.3f} + {s['replay']:.2f})"
+        rollback = (
+            f"{s['rollback']:.2f} ({s['snapshot']:.3f} + {s['restore']:.3f} + {s['replay']:.2f} + {s['select']:.2f})"
+        )
         pieces = [f"{s['draft']:.2f}", f"{s['verify']:.2f}", rollback, f"{s['other']:.2f}"]
         share = s["rollback"] / s["round"]
     else:  # compiled: one graph; the rollback is the round less the round without it

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["cat_steps", "column", "column_kw", "columns", "prefix", "prefix_kw", "step_kw", "width"]
+__all__ = ["cat_steps", "column", "column_kw", "columns", "layer_state", "prefix", "prefix_kw", "step_kw", "width"]
 
 
 def columns(recorded: list[tuple[tuple, dict]]) -> list[tuple[tuple, dict, int]]:
@@ -68,3 +68,14 @@ def column(args, t):
 def column_kw(kwargs, t, cache):
     """Its keyword arguments for position ``t``, through ``cache``, without a padding mask (a replay's)."""
     return prefix_kw({k: _cut(v, slice(t, t + 1)) for k, v in kwargs.items()}, 1, cache)
+
+
+def layer_state(layer, copy: bool = True) -> list[tuple[dict, int, torch.Tensor]]:
+    """(owner dict, state_idx, tensor) of every conv and recurrent tensor of one stateful cache
+    layer, in a fixed order; the tensors cloned unless ``copy`` is False."""
+    return [
+        (states, idx, t.clone() if copy else t)
+        for states in (layer.conv_states, layer.recurrent_states)
+        for idx, t in states.items()
+        if t is not None
+    ]

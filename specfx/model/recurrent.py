@@ -19,7 +19,8 @@ and ``recurrent_states`` dicts):
   forward, and :meth:`MixerTaps.replay` to re-run only them on the accepted prefix of those inputs
   from a snapshot: the state after n+1 inputs without re-running attention, MLPs or the LM head;
   :meth:`MixerTaps.replay_steps`, the same with fixed shapes and per-row n (decision 76's choice),
-  over the inputs of one forward or of several in a row (a draft model's round, decision 81);
+  over the inputs of one forward or of several in a row (a draft model's round, decision 81), or
+  :meth:`MixerTaps.select` where the recording stepped the mixers (decisions 90, 91);
 * :class:`StateLayer` and :func:`slot_cache_with_state`: specfx's :class:`SlotCache` with HF's
   linear-attention layer over zeroed static buffers where HF's layer mapping puts state, and
   :func:`masks_with_state`, the mask dict such a model needs (4-D for attention layers, the 2-D
@@ -39,7 +40,17 @@ from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerM
 from specfx.model.cache import SlotCache, SlotLayer
 from specfx.model.dynamo import mark_static
 from specfx.model.masks import attention_mask_keys, cache_layer_classes, state_only_layer_types
-from specfx.model.mixer_calls import cat_steps, column, column_kw, columns, prefix, prefix_kw, step_kw, width
+from specfx.model.mixer_calls import (
+    cat_steps,
+    column,
+    column_kw,
+    columns,
+    layer_state,
+    prefix,
+    prefix_kw,
+    step_kw,
+    width,
+)
 
 __all__ = [
     "MixerTaps",
@@ -214,15 +225,11 @@ class MixerTaps:
     :meth:`recording`) and record only while :attr:`on`; the engine's version may tap the captured
     graph instead, as the hidden-taps pass does.
 
-    ``steps`` (decision 90): while recording, a mixer's forward over T > 1 inputs is replaced by T
-    calls of its own single-token path, for the types whose multi-token forward does not continue
-    a cached state the way their single-token decoding does (Mamba1's scan starts from zero;
-    NemotronH's and Zamba2's chunked path clamps the time step the single step does not): the
-    recording forwards (a verify, a draft's catch-up) are the only multi-token forwards from a live
-    state (a prefill starts from zero, where both paths agree with HF's own prefill). The recording
-    pre-hook hands the module position 0 alone (its own call is the first step), and a forward hook
-    calls the module's ``forward`` on each later position (hooks not re-entered) and returns the
-    joined outputs: no multi-token call runs."""
+    ``steps`` (decision 90; types whose multi-token forward does not continue a cached state as their
+    single-token decoding does): while recording (a verify, a draft's catch-up: the only multi-token
+    forwards from a live state), the pre-hook hands a mixer position 0 alone and a forward hook
+    runs the later positions through the module's own ``forward`` (hooks not re-entered), joins the
+    outputs and keeps the state after each position (:meth:`select`)."""
 
     def __init__(self, model, cache, run=None, steps: bool = False):
         linear = {i for i, _ in stateful_layers(cache)}
@@ -244,7 +251,9 @@ class MixerTaps:
         self._handles: list = []
         self._step = StateSnapshot(cache)  # the state before a replay step (replay_steps), taken in place
         self.steps = steps
+        self._cache = cache
         self._pending: dict[int, tuple[tuple, dict]] = {}  # steps: a stepped call's own inputs, by mixer
+        self.after: dict[int, list[list]] = {}  # steps: per mixer, the state after each recorded position
 
         def hook(mod, args, kwargs):  # one function for every attach: a compiled graph guards on it
             if self.on:
@@ -255,12 +264,20 @@ class MixerTaps:
             return None
 
         def stepped(mod, args, kwargs, out):  # steps only: positions 1.. by single-token calls, joined
-            pending = self._pending.pop(id(mod), None) if self.on else None
+            if not self.on:
+                return None
+            layer = self._cache.layers[mod.layer_idx]
+            after = self.after.setdefault(id(mod), [])
+            after.append(layer_state(layer))
+            pending = self._pending.pop(id(mod), None)
             if pending is None:
                 return None
             args, kwargs = pending
-            rest = [mod.forward(*column(args, t), **step_kw(kwargs, t)) for t in range(1, width(args, kwargs))]
-            return cat_steps([out, *rest])
+            outs = [out]
+            for t in range(1, width(args, kwargs)):
+                outs.append(mod.forward(*column(args, t), **step_kw(kwargs, t)))
+                after.append(layer_state(layer))
+            return cat_steps(outs)
 
         self._hook, self._stepped = hook, stepped
         self.attached = False  # a plain flag a compiled graph can read (not the hook handles)
@@ -325,6 +342,7 @@ class MixerTaps:
         """Set the recorded inputs from a captured forward's extra outputs ``tensors`` (in
         :meth:`flat_inputs`' order) and the capture's :meth:`template`, as the hooks would have."""
         it = iter(tensors)
+        self.after.clear()  # states kept while the capture was traced: not this call's
 
         def fill(v):
             return next(it) if v is _TENSOR else cache if v is _CACHE else v
@@ -359,6 +377,28 @@ class MixerTaps:
                 args, kwargs, col = cols[id(mod)][t]
                 mod(*column(args, col), **column_kw(kwargs, col, cache))
             before.restore(keep=t <= n)
+
+    def stepped_through(self, tokens: int | None) -> bool:
+        """Whether the steps kept each mixer's state after each of the first ``tokens`` inputs (None: all)."""
+        if not self.steps:
+            return False
+        for mod in self.mixers:
+            kept = len(self.after.get(id(mod), ()))
+            if kept == 0 or kept < (tokens if tokens is not None else len(columns(self.inputs.get(id(mod), [])))):
+                return False
+        return True
+
+    def select(self, snapshot: StateSnapshot, n: torch.Tensor, tokens: int | None = None) -> None:
+        """Steps mode's rollback: each row's state after exactly its first ``n[b]`` recorded inputs
+        (0: ``snapshot``'s), selected from the states the steps passed through (a gather per state
+        tensor; fixed shapes, no host sync, no mixer call)."""
+        saved = {(id(states), idx): t for states, idx, t in snapshot.tensors}
+        rows = torch.arange(n.shape[0], device=n.device)
+        for mod in self.mixers:
+            after = self.after[id(mod)][:tokens] if tokens is not None else self.after[id(mod)]
+            for j, (states, idx, live) in enumerate(layer_state(self._cache.layers[mod.layer_idx], copy=False)):
+                stack = torch.stack([saved[(id(states), idx)], *(kept[j][2] for kept in after)])
+                live.copy_(stack[n, rows])
 
 
 _TENSOR, _CACHE = object(), object()  # a template's places for a recorded tensor and for the cache

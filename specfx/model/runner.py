@@ -168,6 +168,7 @@ class ModelRunner:
         features)`` as :meth:`forward`, from a tapped capture that returns the mixers' inputs
         itself (decision 82: a captured graph calls no module, so no hook runs in it)."""
         self.state_snapshot.take()
+        self.mixer_taps.after.clear()
         if taps:
             return self.taps.forward(ids, positions, slots, None, taps, record=True)
         taps = self.mixer_taps
@@ -186,6 +187,7 @@ class ModelRunner:
         over every input recorded. The hooks stay attached until :meth:`detach_state_hooks` (the
         generator's, after each call; a compiled round finds them attached already)."""
         self.state_snapshot.take()
+        self.mixer_taps.after.clear()
         if not self.mixer_taps.attached:  # eager rounds; a compiled one reads the plain flag only
             self.mixer_taps.attach()
         self.mixer_taps.on = True
@@ -197,12 +199,18 @@ class ModelRunner:
         """After a verify forward of ``tokens`` inputs (:meth:`verify_recording`; or forwards of
         ``tokens`` inputs in all, :meth:`start_recording`; None: every input recorded) of which row b
         keeps the first ``n[b]`` (0..tokens): every stateful layer's state becomes the state
-        after exactly those inputs: the snapshot written back, then the mixers' own single-token
-        steps on the recorded inputs, each kept only by the rows still within their n (fixed
-        shapes, per-row n, no host sync)."""
-        self.state_snapshot.restore()
-        self.mixer_taps.replay_steps(self.cache, n - 1, tokens)
-        self.mixer_taps.inputs.clear()  # never replayed again (a graph traced without hooks fails, not reuses)
+        after exactly those inputs (fixed shapes, per-row n, no host sync). Where the recording
+        stepped the mixers (decision 90) each row's state is selected from those the steps passed
+        through (decision 91); otherwise the snapshot is written back, then the mixers' own
+        single-token steps run on the recorded inputs, each kept only by the rows within their n."""
+        taps = self.mixer_taps
+        if taps.stepped_through(tokens):  # the verify stepped the mixers: select each row's state (decision 91)
+            taps.select(self.state_snapshot, n, tokens)
+        else:
+            self.state_snapshot.restore()
+            taps.replay_steps(self.cache, n - 1, tokens)
+        taps.inputs.clear()  # never replayed again (a graph traced without hooks fails, not reuses)
+        taps.after.clear()
 
     def attach_state_hooks(self) -> None:
         """Register the mixers' recording hooks for a stretch of compiled rounds (a graph records

@@ -28,7 +28,8 @@ def test_smoke_rounds_equal_hf_and_time_the_rollback(capsys):
     # the pieces were found and timed in the round itself (a wrapper that missed one reads 0)
     for piece in ("draft", "verify", "replay", "rollback"):
         assert split[piece] > 0, (piece, split)
-    assert split["rollback"] == split["snapshot"] + split["restore"] + split["replay"]
+    assert split["rollback"] == split["snapshot"] + split["restore"] + split["replay"] + split["select"]
+    assert split["select"] == 0  # GDN verifies in one multi-token forward: its rollback replays steps
     # "auto" measured a round time for K = 0 and for K = 4 (the rounds it chooses by)
     assert {"0", "4"} <= set(case["auto_times_ms"])
     # at α = 0 "auto" ends plain (by the evidence, or at once where the times say no K pays)

@@ -214,6 +214,37 @@ def test_the_probe_verifies_by_single_steps_exactly_where_the_multi_token_forwar
             check_incremental(runner, 2 * runner.probed_capacity)
 
 
+@pytest.mark.parametrize("arch", [_param(name, default={"mamba", "nemotron_h", "qwen3_next"}) for name in sorted(TINY)])
+@torch.no_grad()
+def test_a_stepped_verify_rolls_back_by_selecting_the_states_it_passed_through(arch, one_thread, monkeypatch):
+    """Decision 91: where the verify stepped the mixers, the rollback selects each row's state from
+    those the steps kept (no mixer call); every other type restores the snapshot and replays. Output
+    = generate() on a left-padded batch whose rows accept different numbers of proposals."""
+    from specfx.model.recurrent import MixerTaps
+
+    calls = {"select": 0, "replay_steps": 0}
+
+    def counting(name, fn):
+        def counted(self, *args, **kwargs):
+            calls[name] += 1
+            return fn(self, *args, **kwargs)
+
+        return counted
+
+    for name in calls:
+        monkeypatch.setattr(MixerTaps, name, counting(name, getattr(MixerTaps, name)))
+    model, (ids, mask) = _model(arch), left_padded(10, [3, 0, 6], seed=2)
+    kw = dict(max_new_tokens=16, do_sample=False, attention_mask=mask)
+    expected = model.generate(ids, **kw)
+    draft = WrongEveryThird(_table(expected, mask), model.config.vocab_size)
+    spec = specfx.speculate(model, draft=draft, num_speculative_tokens=K, compile=False)
+    calls.update(select=0, replay_steps=0)  # the rounds' rollbacks only (the probe's are its own)
+    assert torch.equal(spec.generate(ids, **kw), expected)
+    assert 0 < spec.stats.accepted < spec.stats.proposed
+    rollbacks = calls["select"] + calls["replay_steps"]
+    assert rollbacks > 0 and calls["select" if arch in STEPPED else "replay_steps"] == rollbacks, calls
+
+
 @torch.no_grad()
 def test_returning_the_cache_is_refused(model, one_thread):
     spec = specfx.speculate(model, draft="prompt_lookup", num_speculative_tokens=K, compile=False)

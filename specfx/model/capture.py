@@ -66,12 +66,14 @@ def decoder_blocks(model: nn.Module) -> list[str]:
     Mamba layers)."""
     n = model.config.get_text_config().num_hidden_layers
     lists = {name: m for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0}
-    outer = {name: m for name, m in lists.items() if not any(name.startswith(o + ".") for o in lists if o != name)}
-    one_class = {name: len(m) for name, m in lists.items() if len({type(x) for x in m}) == 1}
-    outermost = {name: size for name, size in one_class.items() if not any(name.startswith(o + ".") for o in one_class)}
-    exact = [name for name, size in outermost.items() if size == n]
-    dividing = [name for name, size in outermost.items() if n > 0 and n % size == 0]
-    mixed = [name for name, m in outer.items() if len(m) == n]
+
+    def outermost(names):  # those not nested in another of ``names``
+        return [name for name in names if not any(name.startswith(o + ".") for o in names)]
+
+    one_class = outermost([name for name, m in lists.items() if len({type(x) for x in m}) == 1])
+    exact = [name for name in one_class if len(lists[name]) == n]
+    dividing = [name for name in one_class if n > 0 and n % len(lists[name]) == 0]
+    mixed = [name for name in outermost(list(lists)) if len(lists[name]) == n]
     found = exact[:1] or (dividing if len(dividing) == 1 else []) or (mixed if len(mixed) == 1 else [])
     if not found:
         raise ValueError(

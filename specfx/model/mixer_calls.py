@@ -67,7 +67,7 @@ def column(args, t):
 
 def column_kw(kwargs, t, cache):
     """Its keyword arguments for position ``t``, through ``cache``, without a padding mask (a replay's)."""
-    return prefix_kw({k: _cut(v, slice(t, t + 1)) for k, v in kwargs.items()}, 1, cache)
+    return prefix_kw(step_kw(kwargs, t), 1, cache)
 
 
 def layer_state(layer, copy: bool = True) -> list[tuple[dict, int, torch.Tensor]]:

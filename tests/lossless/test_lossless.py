@@ -93,8 +93,9 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("k", tiered([1, 3], [3]))
+@pytest.mark.parametrize(
+    ("case", "k"), tiered([(c, k) for c in sorted(CASES) for k in (1, 3)], [("plain", 3)], several=True)
+)
 def test_speculative_sampling_matches_exact_distribution(case, k):
     target, draft = _models()
     kwargs, warpers = CASES[case]
@@ -297,7 +298,7 @@ def test_negative_control_tree_siblings_not_renormalised(monkeypatch):
     _assert_walk_fails_chisquare(monkeypatch, independent_siblings)
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", tiered(sorted(CASES), ["temperature-topk-topp"]))
 def test_pard_sampling_matches_exact_distribution(case):
     """PARD's proposals at mask positions are sampled from q_i, which does not depend on the
     proposals before them (decision 72): the samples still follow the target's distribution."""
@@ -313,7 +314,7 @@ def test_pard_sampling_matches_exact_distribution(case):
     assert _chisquare(out[:, len(prompt) :].tolist(), probs) > 1e-3
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", tiered(sorted(CASES), ["temperature-topk-topp"]))
 def test_dflash_sampling_matches_exact_distribution(case):
     """DFlash drafts its block greedily, as its reference does whatever the temperature (q
     one-hot on each proposal; decision 74), from the target's hidden states: the samples still

@@ -381,6 +381,7 @@ def smoke(model, tokenizer, out, *argv) -> dict:
     return json.loads((out / "suite.json").read_text())
 
 
+@pytest.mark.full  # a benchmark on the real model (its pieces have default-tier tests above)
 def test_smoke_run_reports_greedy_equality(smollm2, tmp_path, capsys):
     # HF's early exit (the slowest peer here) runs in the full tier's smoke run below
     report = smoke(*smollm2, tmp_path, "--categories", "code_editing", "--skip", "hf_early_exit")

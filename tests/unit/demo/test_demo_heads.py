@@ -10,6 +10,7 @@ import specfx
 from specfx.cli import main
 from specfx.demo.pair import DEMO_PAIR_DIR, demo_drafter, demo_prompts, load_demo_pair
 from specfx.demo.pair_demo import head_params
+from tests.conftest import tiered
 
 HEADS = {"eagle3": specfx.Eagle3, "eagle": specfx.Eagle, "medusa": specfx.Medusa}
 
@@ -32,7 +33,7 @@ def test_shipped_head_is_small_float16_safetensors(name):
     assert 0 < head_params(path) < 3_000_000
 
 
-@pytest.mark.parametrize("name", sorted(HEADS))
+@pytest.mark.parametrize("name", tiered(sorted(HEADS), ["eagle3"]))
 def test_shipped_head_greedy_equals_target_and_is_trained(demo, name):
     target, _, tok = demo
     head = HEADS[name](DEMO_PAIR_DIR / "heads" / name)
@@ -62,6 +63,7 @@ def test_demo_cli_with_a_head(one_thread, tmp_path, capsys):
     assert "HF assisted" not in out
 
 
+@pytest.mark.full  # a benchmark's smoke
 def test_bench_drafters_side_by_side(one_thread, tmp_path):
     from specfx.bench.tasks.default import main as bench_main
 

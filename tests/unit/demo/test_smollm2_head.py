@@ -51,6 +51,7 @@ def test_head_on_the_real_model_is_exact_and_trained(smollm2_model, one_thread):
     assert spec.stats.tokens_per_round > 1.5, spec.stats  # trained (an untrained head gives about 1)
 
 
+@pytest.mark.full  # the demo command itself: test_chat_demo.py; this head's exactness: the test above
 def test_demo_runs_the_shipped_head(smollm2_model, one_thread, capsys):
     from specfx import cli
 

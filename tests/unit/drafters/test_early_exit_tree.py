@@ -42,7 +42,7 @@ def _check_depth_stats(stats, tree):
 
 
 @pytest.mark.parametrize("arch", tiered(["llama", "gpt2"], ["llama"]))
-@pytest.mark.parametrize("name", list(TREES))
+@pytest.mark.parametrize("name", tiered(list(TREES), ["irregular"]))
 def test_tree_greedy_equals_generate(arch, name, one_thread, monkeypatch):
     tree = TREES[name]
     target = _target(arch)
@@ -125,6 +125,7 @@ def test_level_graph_is_the_runners_tree_forward_cut(one_thread):
         capture_early_exit(runner, 2, batch_size=2, tree=tree)
 
 
+@pytest.mark.full  # the capture cache's bookkeeping; the tree rounds themselves are tested above
 def test_level_captures_are_kept_per_shape_and_dropped_with_the_tree(one_thread):
     """Batch buckets 1 and 2 keep their captures (a switch back reuses them: a compiled round
     would otherwise recompile); another tree's levels replace the old tree's."""

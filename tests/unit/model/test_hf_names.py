@@ -88,6 +88,7 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
+@pytest.mark.full  # a warnings check on the newest transformers: CI's --full run
 def test_no_deprecation_from_any_drafter(tmp_path, one_thread):
     """Every drafter, greedy and sampling, returning the cache: no FutureWarning, no logged
     deprecation, and the cache in the field the installed transformers names."""

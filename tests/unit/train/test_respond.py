@@ -71,6 +71,7 @@ def test_prompt_files_are_checked(tmp_path):
         main(["--target", str(DEMO_PAIR_DIR / "target"), "--prompts", str(f), "--out", str(tmp_path / "o.jsonl")])
 
 
+@pytest.mark.full  # the demo heads' training data (a build step, not the library)
 def test_training_prompts_cover_the_suites_kinds_and_avoid_its_prompts():
     one = chat_prompts.stage_one(per_kind=6)
     assert {p["category"] for p in one} == {"code_writing", "code_editing", "math_reasoning", "passage", "multi_turn"}

@@ -20,6 +20,7 @@ from specfx.testing.tiny import tiny_causal_lm
 from specfx.train import main
 from specfx.train.data import load_texts
 from specfx.train.heads import draft_vocabulary, ttt_mask
+from tests.conftest import tiered
 from tests.unit.drafters.heads import engine_rules as rules
 
 DEMO_TARGET = Path(__file__).resolve().parents[3] / "specfx" / "demo" / "demo_pair" / "target"
@@ -50,7 +51,7 @@ def args(target, head, data, out, *extra):
             "--seq-len", "32", "--eval-prompt-len", "16", "--eval-new-tokens", "8", *extra]  # fmt: skip
 
 
-@pytest.mark.parametrize("head", ["medusa", "eagle", "eagle3", "draft"])
+@pytest.mark.parametrize("head", tiered(["medusa", "eagle", "eagle3", "draft"], ["eagle3", "draft"]))
 def test_train_end_to_end(one_thread, tiny_dir, corpus, tmp_path, head):
     out = tmp_path / "run"
     rc = cli_main(["train", *args(tiny_dir, head, corpus, out, "--steps", "3", "--ckpt-every", "2",
@@ -252,7 +253,7 @@ def test_feature_cache_matches_the_target_and_is_reused(one_thread, tmp_path):
         FeatureCache(tmp_path / "g", soft_runner, stream, 16, 2, 0, ("final",), target_pass).build()
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+@pytest.mark.parametrize("arch", tiered(["llama", "gemma2"], ["llama"]))
 def test_training_forwards_are_the_round_forwards(one_thread, arch):
     """Each head's teacher-forced training forward computes what the drafter computes in a
     round (its own forward over its KV cache), and training never touches the target."""

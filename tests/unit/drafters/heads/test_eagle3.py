@@ -350,7 +350,7 @@ def _sampling_target(draft_vocab: int, path):
     return target, _exact(target, [1, 4, 2], LogitsProcessorList())
 
 
-@pytest.mark.parametrize(("draft_vocab", "k"), [(V, 2), (4, 3)])
+@pytest.mark.parametrize(("draft_vocab", "k"), tiered([(V, 2), (4, 3)], [(4, 3)], several=True))
 def test_sampling_matches_exact_distribution(draft_vocab, k, tmp_path, one_thread):
     target, probs = _sampling_target(draft_vocab, tmp_path)
     drafter = Eagle3(tmp_path)
@@ -366,7 +366,13 @@ def test_sampling_matches_exact_distribution(draft_vocab, k, tmp_path, one_threa
     assert set(drafted.tolist()) <= set(in_vocab.tolist()) and len(drafted) > 1
 
 
-@pytest.mark.parametrize("tree", [TREE, TokenTree.eagle2(budget=6, depth=3, branching=2)], ids=["static", "dynamic"])
+@pytest.mark.parametrize(
+    "tree",
+    [
+        pytest.param(TREE, id="static", marks=pytest.mark.full),
+        pytest.param(TokenTree.eagle2(budget=6, depth=3, branching=2), id="dynamic"),
+    ],
+)
 def test_tree_sampling_with_a_reduced_draft_vocabulary_matches_exact_distribution(tree, tmp_path, one_thread):
     """Children are the head's top-ranked tokens over its 4-id draft vocabulary of the target's 6."""
     target, probs = _sampling_target(4, tmp_path)

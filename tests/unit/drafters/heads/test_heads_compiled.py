@@ -47,7 +47,7 @@ CASES = [("tree", arch) for arch in ARCHS] + [("chain", arch) for arch in (ARCHS
 
 
 @pytest.mark.parametrize(("shape", "arch"), tiered(CASES, [("tree", "llama")], several=True))
-@pytest.mark.parametrize("kind", sorted(TREES))
+@pytest.mark.parametrize("kind", tiered(sorted(TREES), ["eagle3"]))
 def test_compiled_round(shape, kind, arch, one_thread):
     target = tiny_causal_lm(arch, num_layers=4)
     tree = TREES[kind]  # pinned: num_speculative_tokens = its node count

@@ -191,6 +191,7 @@ def test_greedy_equals_hf(arch, tmp_path, one_thread):
         assert stats.per_depth[2] > 0 and (repeats or stats.per_depth[0] < stats.row_rounds), (shape, stats)
 
 
+@pytest.mark.full  # the tree rounds' greedy and sampling tests stand for it by default
 def test_tree_accepts_second_children(tmp_path, one_thread):
     """The tree's extra children are the heads' second and third guesses: with the same heads a
     tree accepts more depth-1 proposals than the chain (the rank-1/2 children hit sometimes)."""
@@ -283,7 +284,8 @@ def _sampling_heads(tmp_path):
     return target, Medusa(_fitted(target, [(3, seq) for seq in samples], tmp_path / "heads", "vllm"))
 
 
-@pytest.mark.parametrize("case", tiered(["temperature", "temperature-topk-topp"], ["temperature-topk-topp"]))
+@pytest.mark.full  # the default tier proves Medusa lossless by its tree sampling test
+@pytest.mark.parametrize("case", ["temperature", "temperature-topk-topp"])
 def test_chain_sampling_matches_exact_distribution(case, tmp_path, one_thread):
     target, heads = _sampling_heads(tmp_path)
     kwargs, warpers = TEMPERATURE if case == "temperature" else CASES[case]

@@ -108,8 +108,8 @@ def _state(
 
 
 # torch 2.11's Inductor corrupts memory in the CPU round of these mixers ("double free or corruption"
-# in the generated kernel; 2.13 compiles them correctly, decision 84): speculate() refuses the pair
-INDUCTOR_2_13 = {"kimi_linear", "bailing_hybrid", "mamba2", "bamba", "granitemoehybrid", "falcon_h1"}
+# in the generated kernel; zamba: C++ that does not compile; 2.13 is right, decision 84): refused
+INDUCTOR_2_13 = {"kimi_linear", "bailing_hybrid", "mamba2", "bamba", "granitemoehybrid", "falcon_h1", "zamba"}
 
 
 # MTP layers transformers drops (`mtp.*` ignored on load) that specfx builds from the target's own decoder-layer
@@ -181,6 +181,7 @@ _STATE_TINY = {
         attention_head_dim=32,
         n_mamba_heads=2,
     ),
+    "nemotron_h": dict(mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=1),
     "zamba2": dict(
         layers_block_type=["linear_attention", "hybrid"],
         hybrid_layer_ids=[1],

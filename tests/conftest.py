@@ -61,6 +61,17 @@ def tiered(values, default, *, several: bool = False):
     ]
 
 
+def round_backends() -> list:
+    """``backend`` values for a test of compiled rounds: ``"specfx_eager"`` (Dynamo's trace of the
+    round and specfx's passes, run without Inductor: a few seconds) in the default tier, and
+    ``"specfx"`` (the same graph lowered by Inductor: 20-60 s per graph on a fresh 2-core machine)
+    marked ``full`` and ``compiled``. For drafters whose Inductor round another default-tier test
+    already compiles in kind (the default tier keeps Inductor rounds for the draft model, prompt
+    lookup, EAGLE-3's tree with taps, DFlash, PARD, early exit's tree, a GDN hybrid...), so that the
+    README's test command stays near ten minutes on a fresh machine; ``pytest --full`` runs both."""
+    return ["specfx_eager", pytest.param("specfx", marks=[pytest.mark.full, pytest.mark.compiled])]
+
+
 def _inductor_compiles() -> int:
     return sum(counters["inductor"].values())
 

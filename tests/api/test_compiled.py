@@ -1,7 +1,10 @@
 """Compiled rounds: one graph, no graph breaks, no recompiles once warm, no host sync.
 
 Inductor compiles on CPU take tens of seconds per graph, so this module builds one compiled
-generator and runs every check against it (module-scoped fixture).
+generator and runs every check against it (module-scoped fixture). It compiles in the caller's
+thread (``background_compile=False``): with the CPU default (background compiles) the first
+greedy call and the sampling call would run eagerly while their graphs compile, and these tests
+would compare eager rounds with eager rounds.
 """
 
 import pytest
@@ -17,7 +20,9 @@ pytestmark = pytest.mark.compiled
 @pytest.fixture(scope="module")
 def compiled():
     target, d = pair("llama", "perturbed")
-    spec = specfx.speculate(target, draft=d, num_speculative_tokens=3, compile=True, compile_prefill=True)
+    spec = specfx.speculate(
+        target, draft=d, num_speculative_tokens=3, compile=True, compile_prefill=True, background_compile=False
+    )
     ids = prompt(9, seed=1)
     first = spec.generate(ids, max_new_tokens=30)
     return spec, target, d, ids, first
@@ -59,8 +64,10 @@ def test_compiled_sampling_reproduces_eager_stream(compiled):
     spec, target, d, ids, _ = compiled
     eager = specfx.speculate(target, draft=d, num_speculative_tokens=3, compile=False)
     kw = dict(max_new_tokens=25, do_sample=True, temperature=0.8, top_p=0.9)
+    greedy_graphs = len(spec.graphs)
     torch.manual_seed(5)
     a = spec.generate(ids, **kw)
+    assert len(spec.graphs) == greedy_graphs + 2  # the sampling round and prefill, compiled and run in that call
     torch.manual_seed(5)
     b = eager.generate(ids, **kw)
     assert torch.equal(a, b)  # the counter-based stream is identical in both modes

@@ -34,7 +34,7 @@ from specfx.model.masks import TreeView
 from specfx.testing.architectures import supported_here
 from specfx.testing.tiny import perturbed_copy, tiny_causal_lm
 from specfx.trees.types import TokenTree
-from tests.conftest import left_padded, prompt, tiered
+from tests.conftest import left_padded, prompt, round_backends, tiered
 
 SUPPORTED = supported_here()
 _models = {}
@@ -105,11 +105,11 @@ def test_sampling_run(arch, one_thread):
     assert spec.stats.acceptance_rate > 0.95
 
 
-@pytest.mark.compiled
+@pytest.mark.parametrize("backend", round_backends())
 @pytest.mark.parametrize("arch", tiered(COMPILED_SUBSET, ("gemma2",)))
-def test_compiled_greedy_equals_hf(arch, one_thread):
+def test_compiled_greedy_equals_hf(arch, backend, one_thread):
     target, draft = _pair(arch)
-    spec = specfx.speculate(target, draft=draft, num_speculative_tokens=3, background_compile=False)
+    spec = specfx.speculate(target, draft=draft, num_speculative_tokens=3, backend=backend, background_compile=False)
     ids, mask = _ragged(batch=2)
     _check_greedy(spec, target, ids, mask, 30)
     n = len(spec.graphs)
@@ -170,12 +170,12 @@ def test_rowwise_fallback_refuses_trees(arch):
         runner.forward(zeros, zeros, zeros, tree=TreeView(zeros[:, 0], tables.depth, tables.ancestors, (0, 1)))
 
 
-@pytest.mark.compiled
+@pytest.mark.parametrize("backend", round_backends())
 @pytest.mark.parametrize("arch", tiered([a for a in COMPILED_SUBSET if a not in ROWWISE], ("mixtral",)))
-def test_compiled_tree_greedy_equals_hf(arch, one_thread):
+def test_compiled_tree_greedy_equals_hf(arch, backend, one_thread):
     target, draft = _pair(arch)
     spec = specfx.speculate(  # the tree every round, compiled in the caller's thread (graphs counted below)
-        target, draft=draft, tree=TREE, num_speculative_tokens=TREE.size, background_compile=False
+        target, draft=draft, tree=TREE, num_speculative_tokens=TREE.size, backend=backend, background_compile=False
     )
     _check_greedy(spec, target, *_ragged(batch=2), 20)
     n = len(spec.graphs)

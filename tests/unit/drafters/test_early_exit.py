@@ -8,7 +8,7 @@ from transformers import LogitsProcessorList
 
 import specfx
 from specfx.testing.tiny import tiny_causal_lm
-from tests.conftest import ARCHS, left_padded, prompt, tiered
+from tests.conftest import ARCHS, left_padded, prompt, round_backends, tiered
 from tests.lossless.test_lossless import NEW, ROWS, _chisquare, _exact, _models
 
 _models_cache = {}
@@ -200,10 +200,12 @@ def test_early_exit_constructor_type_errors():
         specfx.EarlyExit(layer=-1)
 
 
-@pytest.mark.compiled
-def test_compiled_greedy_equals_generate_and_stays_warm(one_thread):
+@pytest.mark.parametrize("backend", round_backends())
+def test_compiled_greedy_equals_generate_and_stays_warm(backend, one_thread):
     target = tiny_causal_lm("llama", num_layers=2, seed=11)
-    spec = specfx.speculate(target, draft="early_exit:1", num_speculative_tokens=2, compile=True, compile_prefill=True, background_compile=False)
+    spec = specfx.speculate(
+        target, draft="early_exit:1", num_speculative_tokens=2, compile_prefill=True, backend=backend, background_compile=False
+    )
     ids = prompt(8, batch=2, seed=1)
     assert torch.equal(spec.generate(ids, max_new_tokens=12), target.generate(ids, max_new_tokens=12))
     graphs = len(spec.graphs)

@@ -15,7 +15,7 @@ from specfx.drafters.lookahead import Lookahead, branch_layout, candidate_trie, 
 from specfx.engine.auto_k import HOLD, MIN_EVIDENCE
 from specfx.passes.checks.no_host_sync import offending_nodes
 from specfx.trees.types import TreeTensors
-from tests.conftest import left_padded, pair, prompt, tiered
+from tests.conftest import left_padded, pair, prompt, round_backends, tiered
 from tests.lossless.test_lossless import _chisquare, _exact, _models
 from tests.unit.drafters.test_prompt_lookup import _repeating_prompt
 
@@ -342,14 +342,14 @@ def test_a_branch_with_taps_is_refused():
 
 
 # --------------------------------------------------------------------------- compiled
-@pytest.mark.compiled
-def test_compiled_lookahead_round(one_thread):
-    """Inductor-compiled rounds: greedy equality on two batch-1 prompts (the second call
+@pytest.mark.parametrize("backend", round_backends())
+def test_compiled_lookahead_round(backend, one_thread):
+    """Compiled rounds: greedy equality on two batch-1 prompts (the second call
     compiles nothing: one graph) and on a left-padded batch of 2 (its own batch bucket: one
     more graph), no host-sync ops in either, guesses accepted."""
     target, _ = _models()
     la = Lookahead(window=4, ngram=3, guesses=2)
-    spec = specfx.speculate(target, draft=la, num_speculative_tokens=4, compile=True, background_compile=False)  # one graph: the tree
+    spec = specfx.speculate(target, draft=la, num_speculative_tokens=4, backend=backend, background_compile=False)  # one graph: the tree
     kw = dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
     for prompt_ids in ([1, 4, 2, 1, 4], [3, 3, 5, 1, 2, 1]):
         ids = torch.tensor([prompt_ids])

@@ -24,7 +24,7 @@ from specfx.model.architectures import installed
 from specfx.testing.mtp import BUILT, MTP_ARCHS, mtp_config, mtp_target  # BUILT: the others are refused, tested below
 from specfx.testing.tiny import tiny_causal_lm
 from specfx.trees.types import TokenTree
-from tests.conftest import active_rounds, left_padded, prompt, tiered
+from tests.conftest import active_rounds, left_padded, prompt, round_backends, tiered
 from tests.lossless.test_lossless import NEW, ROWS, _chisquare, _exact
 
 MtpModel = mtp_module.mtp_support()
@@ -269,14 +269,14 @@ def test_tree_is_refused_mtp_drafts_a_chain(one_thread):
     assert torch.equal(spec.generate(ids, max_new_tokens=12), target.generate(ids, max_new_tokens=12))
 
 
-@pytest.mark.compiled
-def test_compiled_greedy_equals_generate_and_stays_warm(one_thread):
+@pytest.mark.parametrize("backend", round_backends())
+def test_compiled_greedy_equals_generate_and_stays_warm(backend, one_thread):
     target, layers = mtp_target("deepseek_v3", 1)
     spec = specfx.speculate(
         target,
         draft=specfx.MTP(layers=layers),
         num_speculative_tokens=2,
-        compile=True,
+        backend=backend,
         compile_prefill=True,
         background_compile=False,
     )

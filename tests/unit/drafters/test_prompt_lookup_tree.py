@@ -15,7 +15,7 @@ import specfx
 from specfx.drafters.prompt_lookup import MAX_TREE_MATCHES, lookup_matches, lookup_proposals, lookup_tree
 from specfx.passes.checks.no_host_sync import offending_nodes
 from specfx.trees.types import TokenTree
-from tests.conftest import left_padded
+from tests.conftest import left_padded, round_backends
 from tests.lossless.test_lossless import _chisquare, _exact, _models
 from tests.unit.drafters.test_prompt_lookup import MODELS, _copying, _repeating_prompt
 
@@ -229,12 +229,13 @@ def test_tree_sampling_matches_exact_distribution():
 
 
 # --------------------------------------------------------------------------- compiled
-@pytest.mark.compiled
-def test_compiled_prompt_lookup_tree_round(one_thread):
-    """One Inductor-compiled tree round: greedy equality on two prompts, one graph, no
-    host-sync ops."""
+@pytest.mark.parametrize("backend", round_backends())
+def test_compiled_prompt_lookup_tree_round(backend, one_thread):
+    """One compiled tree round: greedy equality on two prompts, one graph, no host-sync ops."""
     target = _copying("llama")
-    spec = specfx.speculate(target, draft="prompt_lookup", tree=SMALL, num_speculative_tokens=SMALL.size, compile=True, background_compile=False)
+    spec = specfx.speculate(
+        target, draft="prompt_lookup", tree=SMALL, num_speculative_tokens=SMALL.size, backend=backend, background_compile=False
+    )
     for seed in (0, 1):
         ids = _repeating_prompt(seed, length=14)
         assert torch.equal(spec.generate(ids, max_new_tokens=24), target.generate(ids, max_new_tokens=24))

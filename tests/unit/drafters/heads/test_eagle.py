@@ -405,14 +405,16 @@ def test_target_without_rotary_positions_is_refused(tmp_path):
 
 
 # ------------------------------------------------------------------ compiled
-@pytest.mark.compiled
-@pytest.mark.parametrize("mode", tiered(sorted(MODES), ("dynamic",)))
-def test_compiled_one_graph_and_stays_warm(mode, tmp_path_factory, one_thread):
+@pytest.mark.parametrize(
+    ("mode", "backend"),
+    tiered([(mode, "specfx_eager") for mode in sorted(MODES)], [("dynamic", "specfx_eager")], several=True)
+    + [pytest.param("dynamic", "specfx", marks=[pytest.mark.full, pytest.mark.compiled])],
+)
+def test_compiled_one_graph_and_stays_warm(mode, backend, tmp_path_factory, one_thread):
     target, directory = target_and_head("llama", tmp_path_factory)
-    # Inductor for the dynamic tree (the largest round); the others traced by Dynamo and the
-    # passes only (specfx_eager), to keep CI short: tests/unit/drafters/heads/test_heads_compiled.py says how
-    # to run every head and shape under Inductor
-    backend = "specfx" if mode == "dynamic" else "specfx_eager"
+    # traced by Dynamo and the passes only (specfx_eager); --full also lowers the dynamic tree (the
+    # largest round) with Inductor (EAGLE-3's tree round is the default tier's Inductor-compiled head):
+    # tests/unit/drafters/heads/test_heads_compiled.py says how to run every head and shape under Inductor
     spec = specfx.speculate(target, draft=Eagle(directory), compile=True, compile_prefill=True, backend=backend, background_compile=False, **MODES[mode])
     ids = prompt(6, batch=2, seed=1)
     assert torch.equal(spec.generate(ids, max_new_tokens=12), target.generate(ids, max_new_tokens=12))

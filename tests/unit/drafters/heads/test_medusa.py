@@ -28,7 +28,7 @@ import specfx
 from specfx.drafters.heads.medusa import Medusa
 from specfx.testing.tiny import tiny_causal_lm
 from specfx.trees.types import TokenTree
-from tests.conftest import left_padded, prompt, tiered
+from tests.conftest import left_padded, prompt, round_backends, tiered
 from tests.lossless.test_lossless import (
     CASES,
     NEW,
@@ -308,15 +308,14 @@ def test_tree_sampling_matches_exact_distribution(tmp_path, one_thread):
 
 
 # --------------------------------------------------------------------------- compiled
-@pytest.mark.compiled
-def test_compiled_greedy_equals_hf(tmp_path, one_thread):
-    """Chain and tree compiled (the tree with Inductor, the chain traced with specfx_eager to keep
-    CI short): one round graph each, and a second call with another prompt length compiles
-    nothing new."""
+@pytest.mark.parametrize("backend", round_backends())
+def test_compiled_greedy_equals_hf(backend, tmp_path, one_thread):
+    """Chain and tree compiled (the chain traced with specfx_eager, the tree with ``backend``):
+    one round graph each, and a second call with another prompt length compiles nothing new."""
     target = _target("llama")
     cases = [left_padded(10, [2, 0], seed=5), left_padded(13, [3, 0], seed=6)]
     path = _fitted(target, _sequences(target, cases, new=20), tmp_path / "heads")
-    for shape in (dict(num_speculative_tokens=3, backend="specfx_eager"), dict(PINNED, background_compile=False)):
+    for shape in (dict(num_speculative_tokens=3, backend="specfx_eager"), dict(PINNED, backend=backend, background_compile=False)):
         spec = specfx.speculate(target, draft=f"medusa:{path}", **shape)
         _check_greedy(spec, target, *cases[0], new=20)
         n = len(spec.graphs)

@@ -22,7 +22,7 @@ from specfx.drafters.heads.checkpoint import HeadLayoutWarning, write_head
 from specfx.drafters.heads.eagle import Eagle
 from specfx.testing.tiny import tiny_causal_lm
 from specfx.trees.types import TokenTree
-from tests.conftest import active_rounds, left_padded, prompt, tiered
+from tests.conftest import INDUCTOR_IN_FULL, active_rounds, left_padded, prompt, tiered
 from tests.lossless.test_lossless import NEW, ROWS, _chisquare, _exact
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "mixtral")
@@ -408,7 +408,7 @@ def test_target_without_rotary_positions_is_refused(tmp_path):
 @pytest.mark.parametrize(
     ("mode", "backend"),
     tiered([(mode, "specfx_eager") for mode in sorted(MODES)], [("dynamic", "specfx_eager")], several=True)
-    + [pytest.param("dynamic", "specfx", marks=[pytest.mark.full, pytest.mark.compiled])],
+    + [pytest.param("dynamic", "specfx", marks=INDUCTOR_IN_FULL)],
 )
 def test_compiled_one_graph_and_stays_warm(mode, backend, tmp_path_factory, one_thread):
     target, directory = target_and_head("llama", tmp_path_factory)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from specfx.engine.background import BackgroundCompiler, compile_only, exiting, run_compile_only
-from specfx.model.dynamo import fresh_code, release_code
+from specfx.model.dynamo import back_reference, fresh_code, release_code
 from specfx.passes.backend import GraphRecords, make_backend
 from specfx.passes.rewrites.live_kv import LiveKV
 
@@ -51,6 +51,20 @@ def quarter_octave(needed: int, smallest: int) -> int:
         return smallest
     step = max(1, (1 << (needed - 1).bit_length()) // 8)  # needed in (2^(n-1), 2^n]: quarter of 2^(n-1)
     return -(-needed // step) * step
+
+
+def bind_weakly(impl: Callable, owner) -> Callable:
+    """``impl`` bound to ``owner`` as a method is, but holding it weakly, in a function with a private
+    code object (:func:`~specfx.model.dynamo.fresh_code`: Dynamo keeps that variant's compiled graph
+    and guards on it; ``impl`` is inlined into its trace). ``owner`` keeps its compiled variants, so a
+    method bound strongly would make a cycle that keeps every buffer of a freed generator alive until
+    Python's cyclic collector happens to run (decision 93)."""
+    owner_ref = weakref.ref(owner)
+
+    def bound(*args):
+        return impl(back_reference(owner_ref, "compiled graph's generator"), *args)
+
+    return fresh_code(bound)
 
 
 def _release_all(codes: dict) -> None:
@@ -184,9 +198,8 @@ class GraphCache:
 
     def _foreground(self, key: tuple, impl: Callable, owner) -> Callable:
         """Compile variant ``key`` on its first call, in the caller's thread."""
-        code = fresh_code(impl)
-        self._codes[key] = code.__code__
-        bound = types.MethodType(code, owner)
+        bound = bind_weakly(impl, owner)
+        self._codes[key] = bound.__code__
         compiled_fn = torch.compile(bound, backend=self._compiler(key), fullgraph=True, dynamic=False)
 
         def first_call(*args):
@@ -221,10 +234,8 @@ class GraphCache:
             if owner is None or not self._current(owner, key):  # its state is gone: queued again when needed
                 self._forget(key)
                 return
-            code = fresh_code(impl)
-            compiled_fn = torch.compile(
-                types.MethodType(code, owner), backend=compile_only(self._compiler(key)), fullgraph=True, dynamic=False
-            )
+            code = bind_weakly(impl, owner)
+            compiled_fn = torch.compile(code, backend=compile_only(self._compiler(key)), fullgraph=True, dynamic=False)
             logger.info("specfx: compiling the %s graph for %s in the background", key[0], key[1:])
             start = time.monotonic()
             try:

@@ -16,10 +16,12 @@ and the mask hides them until then.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from specfx.model.dynamo import mark_static
+from specfx.model.dynamo import back_reference, mark_static
 
 __all__ = ["SlotCache", "SlotLayer"]
 
@@ -32,7 +34,12 @@ class SlotLayer(CacheLayerMixin):
 
     def __init__(self, owner: SlotCache):
         super().__init__()
-        self.owner = owner
+        self._owner = weakref.ref(owner)  # the cache holds its layers (decision 93)
+
+    @property
+    def owner(self) -> SlotCache:
+        """The cache whose ``slots`` and ``rows`` this layer's writes follow."""
+        return back_reference(self._owner, "cache layer's cache")
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         _, h, _, _ = key_states.shape

@@ -22,6 +22,7 @@ trace, about a second for a tiny model): never start one while a round is being 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Protocol
 
@@ -29,7 +30,7 @@ import torch
 from torch import fx, nn
 
 from specfx.model.cache import SlotCache
-from specfx.model.dynamo import fresh_code
+from specfx.model.dynamo import back_reference, fresh_code
 from specfx.model.masks import TreeView
 
 __all__ = [
@@ -124,9 +125,14 @@ class CapturedForward:
         # "conv_states" | "recurrent_states", index) or ("cache", None, attribute): a tensor of the
         # runner's *current* cache | a bound target tensor (a parameter)
         self.inputs = inputs
-        self.runner = runner
+        self._runner = weakref.ref(runner)  # the runner keeps its captures: a strong reference back is a cycle
         self.queries = queries  # the token-tree nodes it runs on (None: a plain causal forward)
         self.sites = sites  # what the transform reported (nodes removed, taps added...)
+
+    @property
+    def runner(self) -> ForwardRunner:
+        """The runner whose current cache the graph reads (held weakly: it holds its captures)."""
+        return back_reference(self._runner, f"{self.what}'s runner")
 
     def _resolve(self, x, given: dict):
         if isinstance(x, str):

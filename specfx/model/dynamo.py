@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import types
+import weakref
 
 import torch
 
-__all__ = ["fresh_code", "mark_static", "release_code"]
+__all__ = ["back_reference", "fresh_code", "mark_static", "release_code"]
 
 
 def fresh_code(fn):
@@ -37,3 +38,15 @@ def mark_static(*tensors: torch.Tensor) -> None:
     for t in tensors:
         if t.is_cuda:
             torch._dynamo.mark_static_address(t, guard=False)
+
+
+def back_reference(ref: weakref.ref, what: str):
+    """What ``ref`` points to: an owner that a part it owns reads (a cache layer its cache, a
+    capture its runner, a mixer hook its recorder). A strong reference back would be a cycle, and a
+    cycle keeps every buffer of a freed generator alive until Python's cyclic collector happens to
+    run (decision 93). Dynamo traces this dereference exactly on torch 2.11 and 2.13 (a property
+    setter is not: torch 2.11's graph reads the value from before the set)."""
+    owner = ref()
+    if owner is None:
+        raise RuntimeError(f"specfx: this {what} outlived its owner; keep the owner alive while using it.")
+    return owner

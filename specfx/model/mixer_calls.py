@@ -7,7 +7,18 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["cat_steps", "column", "column_kw", "columns", "layer_state", "prefix", "prefix_kw", "step_kw", "width"]
+__all__ = [
+    "cat_steps",
+    "column",
+    "column_kw",
+    "columns",
+    "conv_state_after",
+    "layer_state",
+    "prefix",
+    "prefix_kw",
+    "step_kw",
+    "width",
+]
 
 
 def columns(recorded: list[tuple[tuple, dict]]) -> list[tuple[tuple, dict, int]]:
@@ -79,3 +90,15 @@ def layer_state(layer, copy: bool = True) -> list[tuple[dict, int, torch.Tensor]
         for idx, t in states.items()
         if t is not None
     ]
+
+
+def conv_state_after(old: torch.Tensor, new: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """The conv state after the first ``n[b] + 1`` of the T new input columns, per row.
+
+    old ``[B, C, k]`` (state before the forward), new ``[B, C, T]`` (the inputs the model handed
+    ``update_conv_state``), n ``[B]`` in 0..T-1 -> ``[B, C, k]``: columns n+1 .. n+k of
+    ``cat(old, new)``, a gather with fixed shapes (no host sync)."""
+    k = old.shape[-1]
+    full = torch.cat([old, new.to(old.dtype)], dim=-1)  # [B, C, k + T]
+    cols = n.view(-1, 1) + 1 + torch.arange(k, device=n.device)  # [B, k]
+    return full.gather(-1, cols.unsqueeze(1).expand(-1, full.shape[1], -1))

@@ -32,13 +32,14 @@ Mamba2 ``[B, H, Dh, N]``, Mamba1 ``[B, D, N]``); ``n``, ``keep`` ``[B]``.
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 
 import torch
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
 from specfx.model.cache import SlotCache, SlotLayer
-from specfx.model.dynamo import mark_static
+from specfx.model.dynamo import back_reference, mark_static
 from specfx.model.masks import attention_mask_keys, cache_layer_classes, state_only_layer_types
 from specfx.model.mixer_calls import (
     cat_steps,
@@ -57,7 +58,6 @@ __all__ = [
     "SlotStateLayer",
     "StateLayer",
     "StateSnapshot",
-    "conv_state_after",
     "keeps_state",
     "masks_with_state",
     "slot_cache_with_state",
@@ -199,18 +199,6 @@ class StateSnapshot:
                 live.copy_(torch.where(keep.view(-1, *([1] * (saved.dim() - 1))), live, saved))
 
 
-def conv_state_after(old: torch.Tensor, new: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-    """The conv state after the first ``n[b] + 1`` of the T new input columns, per row.
-
-    old ``[B, C, k]`` (state before the forward), new ``[B, C, T]`` (the inputs the model handed
-    ``update_conv_state``), n ``[B]`` in 0..T-1 -> ``[B, C, k]``: columns n+1 .. n+k of
-    ``cat(old, new)``, a gather with fixed shapes (no host sync)."""
-    k = old.shape[-1]
-    full = torch.cat([old, new.to(old.dtype)], dim=-1)  # [B, C, k + T]
-    cols = n.view(-1, 1) + 1 + torch.arange(k, device=n.device)  # [B, k]
-    return full.gather(-1, cols.unsqueeze(1).expand(-1, full.shape[1], -1))
-
-
 class MixerTaps:
     """The stateful mixers of ``model`` and, inside :meth:`recording`, their inputs.
 
@@ -255,7 +243,10 @@ class MixerTaps:
         self._pending: dict[int, tuple[tuple, dict]] = {}  # steps: a stepped call's own inputs, by mixer
         self.after: dict[int, list[list]] = {}  # steps: per mixer, the state after each recorded position
 
+        recorder = weakref.ref(self)  # the hooks are kept here: a strong reference back is a cycle (decision 93)
+
         def hook(mod, args, kwargs):  # one function for every attach: a compiled graph guards on it
+            self = back_reference(recorder, "mixer hook's recorder")
             if self.on:
                 self.inputs.setdefault(id(mod), []).append((args, kwargs))
                 if self.steps and width(args, kwargs) > 1:  # the module runs position 0 alone
@@ -264,6 +255,7 @@ class MixerTaps:
             return None
 
         def stepped(mod, args, kwargs, out):  # steps only: positions 1.. by single-token calls, joined
+            self = back_reference(recorder, "mixer hook's recorder")
             if not self.on:
                 return None
             layer = self._cache.layers[mod.layer_idx]

@@ -19,12 +19,14 @@ state it writes is put back afterwards, since a capture may be made between roun
 
 from __future__ import annotations
 
+import weakref
 from contextlib import nullcontext
 
 import torch
 
 from specfx.model.admission import taps_refusal
 from specfx.model.capture import CapturedForward, CaptureError, capture_forward, decoder_layer_names
+from specfx.model.dynamo import back_reference
 from specfx.model.masks import TreeView
 from specfx.model.recurrent import StateSnapshot
 from specfx.passes.pipeline import PassError, capture_transform
@@ -39,9 +41,14 @@ class TapCaptures:
     returning ``(logits, *tapped)``, for the ``(dtype, device)`` in ``signature``."""
 
     def __init__(self, runner):
-        self.runner = runner  # a ModelRunner (not imported: runner -> taps is the one direction)
+        self._runner = weakref.ref(runner)  # a ModelRunner (not imported: runner -> taps is the one direction)
         self.graphs: dict[tuple, CapturedForward] = {}
         self.signature: tuple | None = None  # (dtype, device) the captures were made for
+
+    @property
+    def runner(self):
+        """The runner these captures belong to (held weakly: it holds them)."""
+        return back_reference(self._runner, "tap table's runner")
 
     def keep(self, capacity: int) -> None:
         """After an allocation of ``capacity`` slots: captures of this capacity stay (they read

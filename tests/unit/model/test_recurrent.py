@@ -7,7 +7,8 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from specfx.model.hf_names import cache_kwarg
-from specfx.model.recurrent import MixerTaps, StateSnapshot, conv_state_after, stateful_layers
+from specfx.model.mixer_calls import conv_state_after
+from specfx.model.recurrent import MixerTaps, StateSnapshot, stateful_layers
 from specfx.testing.tiny import STATEFUL_TINY, tiny_causal_lm
 
 K = 4

@@ -154,6 +154,8 @@ class EarlyExit(TreeDrafting, Drafter):
         n = target.num_layers
         what = "layers" if blocks == n else f"decoder blocks; config.num_hidden_layers = {n} counts {n // blocks} per block"
         _check_layer(self.layer, blocks, what)
+        if target is not self.target:  # a drafter object reused by a new generator: the old captures read the old runner
+            self._graphs, self.graph, self.levels = {}, None, {}
         self.target = target
         self._capture_now()
 

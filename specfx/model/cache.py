@@ -43,7 +43,8 @@ class SlotLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         _, h, _, _ = key_states.shape
-        b, cap = self.owner.rows.shape[0], self.owner.capacity  # all rows, even from a one-row forward
+        owner = self.owner
+        b, cap = owner.rows.shape[0], owner.capacity  # all rows, even from a one-row forward
         self.keys = key_states.new_zeros((b, h, cap, key_states.shape[-1]))  # [B, H, C, Dk]
         self.values = value_states.new_zeros((b, h, cap, value_states.shape[-1]))  # [B, H, C, Dv]
         mark_static(self.keys, self.values)  # written in place by every round
@@ -52,10 +53,11 @@ class SlotLayer(CacheLayerMixin):
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        slots = self.owner.slots  # [B, T]
-        rows = self.owner.rows  # [B, 1]
+        owner = self.owner  # one dereference per update (a weak reference: decision 93)
+        slots = owner.slots  # [B, T]
+        rows = owner.rows  # [B, 1]
         # buffer[b, :, slots[b, t]] = new[b, :, t]; advanced indices first -> value is [B, T, H, D]
-        row = self.owner.row
+        row = owner.row
         if row is not None:  # one row at a time (ModelRunner's rowwise protocol)
             rows = rows[row : row + 1]
         self.keys[rows, :, slots] = key_states.transpose(1, 2).to(self.keys.dtype)

@@ -134,12 +134,11 @@ class CapturedForward:
         """The runner whose current cache the graph reads (held weakly: it holds its captures)."""
         return back_reference(self._runner, f"{self.what}'s runner")
 
-    def _resolve(self, x, given: dict):
+    def _resolve(self, x, given: dict, cache):
         if isinstance(x, str):
             return given[x]
         if isinstance(x, tuple):  # cache tensors are looked up at call time: the graph survives reallocation
             kind, layer, name, *idx = x
-            cache = self.runner.cache
             if kind == "state":  # a stateful layer's conv or recurrent state (its dict, then the state index)
                 return getattr(cache.layers[layer], name)[idx[0]]
             return getattr(cache.layers[layer] if kind == "kv" else cache, name)
@@ -148,7 +147,8 @@ class CapturedForward:
     @property
     def bound(self) -> list[torch.Tensor]:
         """The tensors the graph reads besides the call's inputs (weights, KV buffers)."""
-        return [self._resolve(x, {}) for x in self.inputs if not isinstance(x, str)]
+        cache = self.runner.cache
+        return [self._resolve(x, {}, cache) for x in self.inputs if not isinstance(x, str)]
 
     def __call__(
         self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tree: TreeView | None = None
@@ -166,7 +166,8 @@ class CapturedForward:
         given = {"ids": ids, "positions": positions, "slots": slots}
         if tree is not None:
             given.update(lengths=tree.lengths, depth=tree.depth, ancestors=tree.ancestors)
-        out = self.gm(*[self._resolve(x, given) for x in self.inputs])
+        cache = self.runner.cache  # the runner's current one, read once per call
+        out = self.gm(*[self._resolve(x, given, cache) for x in self.inputs])
         return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 

@@ -42,8 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specfx.model.hf_names import cache_kwarg, output_cache
-from specfx.model.probe import compare_rows, full_logits, probe_tokens
+from specfx.model.probe import decodes_incrementally
 
 __all__ = [
     "ARCHITECTURES",
@@ -264,6 +263,26 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         name: _s("multi-head latent attention", num_key_value_heads=4, head_dim=8)
         for name in ("deepseek_v2 deepseek_v3 minicpm3 glm4_moe_lite youtu sarvam_mla").split()
     },
+    # DeepSeek sparse attention (DSA): MLA whose indexer keeps one key per token (HF's
+    # update_indexer), held at slots beside the KV (decision 94); a top-k of 8 makes the selection
+    # matter past 8 tokens; 16 indexer heads, as the real ones have many: with 2, a quarter of the
+    # keys score exactly 0 (every head's ReLU zero) and HF's own incremental decoding breaks the
+    # ties differently from its full forward
+    **{
+        name: _s(
+            "DeepSeek sparse attention (MLA + an indexer choosing each query's top-k keys; its keys kept at slots)",
+            num_key_value_heads=4,
+            head_dim=8,
+            index_topk=8,
+            index_head_dim=16,
+            index_n_heads=16,
+            # no zero (padding_idx) embedding row: a token embedded as zeros gives its indexer query
+            # zero scores for every key, a top-k of ties that HF's own incremental decoding and
+            # full forward break differently
+            pad_token_id=None,
+        )
+        for name in ("deepseek_v32 glm_moe_dsa axk2 hy_v4").split()
+    },
     # BERT-family LM heads are causal only with is_decoder=True (TINY_SIZES sets it); with
     # is_decoder=False they attend bidirectionally and speculate() refuses them.
     **{
@@ -317,18 +336,17 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     },
     # --- refused with the precise reason (decision 79); speculate() quotes it
     "qwen4_exp_text": _r_state(
-        "sparse indexed-attention layers (HF's DynamicIndexedLayer): the indexer keeps a key cache of its own "
-        "(Cache.update_indexer) that specfx's slot cache does not hold per row yet (its gated-delta-net layers "
-        "would roll back as Qwen3-Next's)",
+        "its QSA indexer rotates pooled key blocks by positions it reads from a history of every position_ids the "
+        "model has seen, which the forward appends to its first indexed cache layer (indexer_position_ids) and "
+        "indexes by key: a history that grows per forward and keeps rejected tokens, not a per-slot table; and it "
+        "selects blocks per row and per query with host loops over torch.nonzero, which no single graph holds "
+        "(its indexer keys would be kept at slots as DeepSeek-V3.2's, decision 94, and its gated-delta-net layers "
+        "rolled back as Qwen3-Next's)",
         **_STATE_TINY["qwen4_exp_text"],
     ),
     "deepseek_v4": _r_state(
         "compressed-KV attention layers with a cache layer of their own (DeepseekV4HCACache, compressing KV as "
         "tokens arrive), which specfx's slot cache does not model (no recurrent state: nothing to roll back)"
-    ),
-    "hy_v4": _r_state(
-        "sparse indexed-attention layers (HF's DynamicIndexedLayer) whose indexer key cache specfx does not "
-        "hold per row, and left padding changes HF's own generate() output (no reference for a padded batch)"
     ),
     "minimax": _r_state("lightning-attention (linear-attention) state kept in its own MiniMaxCache, " + _OUTSIDE),
     "recurrent_gemma": _r_state("RG-LRU recurrent state held inside its modules, not in a cache: " + _OUTSIDE),
@@ -420,25 +438,6 @@ def supported(decodes_incrementally_by_type: Callable[[str], bool]) -> list[str]
         and installed(name)
         and (not spec.if_causal or decodes_incrementally_by_type(name))
     ]
-
-
-def decodes_incrementally(model, length: int = 12) -> bool:
-    """Whether ``model``'s own incremental decoding, one token at a time through its own cache as
-    HF's ``generate()`` runs it, gives the logits of its full forward over the same ``length``
-    tokens (within the probe's tolerance). False for a forward that attends to later tokens (an
-    encoder head, or a decoder whose installed implementation builds a bidirectional mask): no
-    incremental path, HF's nor specfx's, reproduces such a model. Only HF's hooks are used here;
-    specfx's own path is the probe's business (:mod:`specfx.model.probe`)."""
-    seq = probe_tokens(length, model.config.get_text_config().vocab_size, model.device)
-    name = cache_kwarg(model)
-    cache, steps = None, []
-    with torch.no_grad():
-        full = full_logits(model, seq)  # [L, V]
-        for t in range(length):
-            out = model(input_ids=seq[t : t + 1].unsqueeze(0), use_cache=True, **({name: cache} if t else {}))
-            cache = output_cache(out)
-            steps.append(out.logits[0, -1].float())
-    return compare_rows(torch.stack(steps), full, model.dtype) is None
 
 
 if __name__ == "__main__":

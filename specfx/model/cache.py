@@ -35,6 +35,7 @@ class SlotLayer(CacheLayerMixin):
     def __init__(self, owner: SlotCache):
         super().__init__()
         self._owner = weakref.ref(owner)  # the cache holds its layers (decision 93)
+        self.indexer_keys: torch.Tensor | None = None  # a DSA indexer's keys, if the model has one
 
     @property
     def owner(self) -> SlotCache:
@@ -65,6 +66,21 @@ class SlotLayer(CacheLayerMixin):
         if row is not None:
             return self.keys[row : row + 1], self.values[row : row + 1]
         return self.keys, self.values
+
+    def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
+        """A sparse-attention indexer's keys (HF's ``Cache.update_indexer``: DeepSeek-V3.2-style
+        DSA layers), one ``[B, T, D]`` key per token: written at the tokens' slots like KV, in a
+        ``[B, C, D]`` buffer of its own (decision 94); returns the whole buffer."""
+        owner = self.owner
+        rows, row = owner.rows, owner.row
+        if self.indexer_keys is None:
+            b, d = rows.shape[0], indexer_key_states.shape[-1]
+            self.indexer_keys = indexer_key_states.new_zeros((b, owner.capacity, d))  # [B, C, Di]
+            mark_static(self.indexer_keys)
+        if row is not None:
+            rows = rows[row : row + 1]
+        self.indexer_keys[rows, owner.slots] = indexer_key_states.to(self.indexer_keys.dtype)
+        return self.indexer_keys if row is None else self.indexer_keys[row : row + 1]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.owner.capacity, 0
@@ -109,6 +125,8 @@ class SlotCache(Cache):
         for layer in self.kv_layers:
             for buf in (layer.keys, layer.values):
                 buf[self.rows, :, dst] = buf[self.rows, :, src]
+            if layer.indexer_keys is not None:
+                layer.indexer_keys[self.rows, dst] = layer.indexer_keys[self.rows, src]
 
     @property
     def trash_slot(self) -> int:
@@ -123,7 +141,10 @@ class SlotCache(Cache):
     @property
     def nbytes(self) -> int:
         """Bytes of every buffer: KV, and the conv and recurrent states of layers keeping state."""
-        kv = sum(layer.keys.nbytes + layer.values.nbytes for layer in self.kv_layers)
+        kv = sum(
+            layer.keys.nbytes + layer.values.nbytes + getattr(layer.indexer_keys, "nbytes", 0)
+            for layer in self.kv_layers
+        )
         states = (
             t
             for layer in self.layers

@@ -275,6 +275,8 @@ def capture_forward(
     for i, layer in enumerate(cache.layers):
         if getattr(layer, "is_initialized", False) and isinstance(getattr(layer, "keys", None), torch.Tensor):
             dynamic.update({id(layer.keys): ("kv", i, "keys"), id(layer.values): ("kv", i, "values")})
+            if getattr(layer, "indexer_keys", None) is not None:  # a DSA indexer's keys (decision 94)
+                dynamic[id(layer.indexer_keys)] = ("kv", i, "indexer_keys")
         for name in ("conv_states", "recurrent_states"):  # a stateful layer's buffers, by role too
             for idx, t in (getattr(layer, name, None) or {}).items():
                 if isinstance(t, torch.Tensor):

@@ -46,6 +46,9 @@ ATTENTION_LAYER_TYPES = {
     "full_attention": ("full", None),
     "sliding_attention": ("sliding", "sliding_window"),
     "chunked_attention": ("chunked", "attention_chunk_size"),
+    # DeepSeek-V3.2-style sparse attention (DSA): causal over every key; the model's indexer picks
+    # its top-k keys among those the mask shows, from keys kept at slots (decision 94)
+    "indexed_attention": ("full", None),
 }
 
 # A layer pattern: ("full", None) | ("sliding", W) | ("chunked", S)

@@ -32,6 +32,8 @@ import re
 
 import torch
 
+from specfx.model.hf_names import cache_kwarg, output_cache
+
 __all__ = [
     "PROBE_MIN_CAPACITY",
     "REL_TOL",
@@ -40,6 +42,7 @@ __all__ = [
     "attention_spans",
     "compare",
     "compare_states",
+    "decodes_incrementally",
     "full_logits",
     "incremental_logits",
     "own_decoding",
@@ -280,3 +283,22 @@ def compare(got: torch.Tensor, full: torch.Tensor, dtype: torch.dtype) -> str | 
     worst, what = found
     row, position = (0, worst) if worst < length else (1, worst - length)
     return what.format(where=f"position {position} of row {row}")
+
+
+def decodes_incrementally(model, length: int = 12) -> bool:
+    """Whether ``model``'s own incremental decoding, one token at a time through its own cache as
+    HF's ``generate()`` runs it, gives the logits of its full forward over the same ``length``
+    tokens (within the probe's tolerance). False for a forward that attends to later tokens (an
+    encoder head, or a decoder whose installed implementation builds a bidirectional mask): no
+    incremental path, HF's nor specfx's, reproduces such a model. Only HF's hooks are used here;
+    specfx's own path is the probe's business (the rest of this module)."""
+    seq = probe_tokens(length, model.config.get_text_config().vocab_size, model.device)
+    name = cache_kwarg(model)
+    cache, steps = None, []
+    with torch.no_grad():
+        full = full_logits(model, seq)  # [L, V]
+        for t in range(length):
+            out = model(input_ids=seq[t : t + 1].unsqueeze(0), use_cache=True, **({name: cache} if t else {}))
+            cache = output_cache(out)
+            steps.append(out.logits[0, -1].float())
+    return compare_rows(torch.stack(steps), full, model.dtype) is None

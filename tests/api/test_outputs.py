@@ -14,7 +14,7 @@ from transformers.cache_utils import DynamicCache
 
 import specfx
 from specfx.engine.outputs import build_output_cache, step_tuples
-from specfx.model.architectures import ARCHITECTURES
+from specfx.model.architectures import ARCHITECTURES, installed
 from specfx.model.cache import SlotCache
 from specfx.model.hf_names import cache_kwarg, output_cache, output_cache_field
 from specfx.testing.tiny import tiny_causal_lm
@@ -76,6 +76,12 @@ def _batch(kind):
         ("mistral", "left_padded_batch2"),  # sliding window 8, crossed by 7 + 14 tokens
         ("bloom", "left_padded_batch2"),  # ALiBi, rowwise protocol
         ("deepseek_v3", "left_padded_batch2"),  # latent attention: keys and values of different widths
+        # sparse attention (decision 94): the indexer's keys are returned too, 21 tokens past its top-k of 8
+        pytest.param(
+            "deepseek_v32",
+            "left_padded_batch2",
+            marks=pytest.mark.skipif(not installed("deepseek_v32"), reason="a type of transformers >= 5.18"),
+        ),
     ],
 )
 def test_returned_cache_continue_like_hfs(arch, kind):

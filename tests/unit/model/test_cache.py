@@ -98,3 +98,27 @@ def test_sizes_the_model_reads():
     cache.slots = torch.tensor([[0], [0]])
     cache.layers[0].update(*_kv(2, 1), 0)
     assert cache.nbytes == 2 * (2 * H * 16 * D) * 4  # keys and values, float32
+
+
+def test_indexer_keys_are_written_at_slots_moved_and_counted():
+    """A sparse-attention indexer's keys (HF's ``Cache.update_indexer``, decision 94): one
+    ``[B, T, Di]`` key per token, at the token's slot, the whole ``[B, C, Di]`` buffer returned;
+    a one-row forward writes and sees its row; ``move`` and ``nbytes`` include them."""
+    cache = _cache(layers=2)
+    cache.slots = torch.tensor([[0, 1], [3, 7]])
+    cache.layers[0].update(*_kv(2, 2), 0)
+    new = torch.arange(2 * 2 * 4, dtype=torch.float32).reshape(2, 2, 4) + 1
+    got = cache.update_indexer(new, 0)
+    assert got is cache.layers[0].indexer_keys and got.shape == (2, 8, 4)
+    assert torch.equal(got[0, :2], new[0]) and torch.equal(got[1, 3], new[1, 0]) and torch.equal(got[1, 7], new[1, 1])
+    assert int((got != 0).any(-1).sum()) == 4  # nothing else written
+    assert cache.layers[1].indexer_keys is None  # a layer without an indexer keeps none
+    assert cache.nbytes == 2 * (2 * H * 8 * D) * 4 + 2 * 8 * 4 * 4
+    cache.row, cache.slots = 1, torch.tensor([[5]])
+    one = torch.full((1, 1, 4), 9.0)
+    seen = cache.update_indexer(one, 0)
+    assert seen.shape == (1, 8, 4) and torch.equal(seen[0, 5], one[0, 0]) and not got[0, 5].any()
+    cache.row = None
+    before = got.clone()
+    cache.move(torch.tensor([[1], [7]]), torch.tensor([[2], [4]]))
+    assert torch.equal(got[0, 2], before[0, 1]) and torch.equal(got[1, 4], before[1, 7])

@@ -272,7 +272,7 @@ def test_what_is_not_supported_yet_is_refused(model, options, match):
 # Types refused with their precise reason (the table's), built tiny as the table's rows say
 REFUSED = ("inkling_text", "qwen4_exp_text")
 REASONS = {
-    "qwen4_exp_text": r"'qwen4_exp_text' exactly: sparse indexed-attention layers.*update_indexer",
+    "qwen4_exp_text": r"'qwen4_exp_text' exactly: its QSA indexer .*indexer_position_ids.*torch.nonzero",
     "inkling_text": r"'inkling_text' exactly: attention whose relative-position bias.*not from position_ids",
 }
 

@@ -68,7 +68,7 @@ def build_output_cache(
     slots = torch.arange(common, device=device).unsqueeze(0) - (prompt_width - prompt_lengths).unsqueeze(1)  # [B, L']
     for i, layer in enumerate(cache.layers):
         dynamic.update(_gather(layer.keys, slots), _gather(layer.values, slots), i)
-        if layer.indexer_keys is not None:  # a DSA indexer's keys, [R, C, Di] (decision 94)
+        if getattr(layer, "indexer_keys", None) is not None:  # a DSA indexer's keys, [R, C, Di] (decision 94)
             dynamic.update_indexer(_gather(layer.indexer_keys.unsqueeze(1), slots).squeeze(1), i)
     if common < sequences.shape[1] - 1:
         _forward_tail(model, dynamic, sequences, prompt_width - prompt_lengths, common)

@@ -47,7 +47,9 @@ ATTENTION_LAYER_TYPES = {
     "sliding_attention": ("sliding", "sliding_window"),
     "chunked_attention": ("chunked", "attention_chunk_size"),
     # DeepSeek-V3.2-style sparse attention (DSA): causal over every key; the model's indexer picks
-    # its top-k keys among those the mask shows, from keys kept at slots (decision 94)
+    # its top-k keys among those the mask shows, from keys kept at slots (decision 94); the type's
+    # name before transformers 5.24 and since
+    "deepseek_sparse_attention": ("full", None),
     "indexed_attention": ("full", None),
 }
 
@@ -84,8 +86,8 @@ def layer_pattern(config, layer_type: str, model_name: str) -> Pattern:
         raise ValueError(
             f"{model_name} has layers of type {layer_type!r} (config.layer_types), which keep state "
             f"specfx cannot roll back per row (only {sorted(ATTENTION_LAYER_TYPES)} are "
-            f"supported). Recurrent, linear-attention and sparse-indexer layers cannot be "
-            f"speculated today."
+            f"supported). Recurrent and linear-attention layers run only for the types the "
+            f"architecture table admits with state."
         )
     kind, attr = ATTENTION_LAYER_TYPES[layer_type]
     if attr is None:

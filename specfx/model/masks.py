@@ -47,8 +47,8 @@ ATTENTION_LAYER_TYPES = {
     "sliding_attention": ("sliding", "sliding_window"),
     "chunked_attention": ("chunked", "attention_chunk_size"),
     # DeepSeek-V3.2-style sparse attention (DSA): causal over every key; the model's indexer picks
-    # its top-k keys among those the mask shows, from keys kept at slots (decision 94); the type's
-    # name before transformers 5.24 and since
+    # its top-k keys among those the mask shows, from keys kept at slots (decision 94); the type is
+    # named deepseek_sparse_attention in transformers 5.17, indexed_attention in 5.24 and 5.25
     "deepseek_sparse_attention": ("full", None),
     "indexed_attention": ("full", None),
 }

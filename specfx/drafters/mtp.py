@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from specfx.drafters.base import TREE_DRAFTERS, Drafter
 from specfx.drafters.drafting import draft_chain, stash_at
-from specfx.drafters.mtp_fc import PREFIX, FcMtpLayers, checkpoint_files, fc_mtp_layer_count
+from specfx.drafters.mtp_fc import LAYOUTS, FcMtpLayers, checkpoint_files, fc_mtp_layer_count
 from specfx.model.architectures import ARCHITECTURES
 from specfx.model.cache import SlotCache
 from specfx.model.dynamo import mark_static
@@ -63,7 +63,8 @@ def mtp_support():
 
 def mtp_layout(model) -> str:
     """The MTP layout specfx builds for ``model``'s type itself (``ArchSpec.mtp_layout``:
-    ``"qwen3_next"``), or "" where transformers' ``MtpModel`` is the way (or none is)."""
+    ``"qwen3_next"``, ``"bailing"``; its class: ``mtp_fc.LAYOUTS``), or "" where transformers'
+    ``MtpModel`` is the way (or none is)."""
     config = model.config.get_text_config(decoder=True)
     return getattr(ARCHITECTURES.get(getattr(config, "model_type", None)), "mtp_layout", "")
 
@@ -99,8 +100,8 @@ def _cannot_load_mtp(model) -> str | None:
 
 
 def _checkpoint_has_mtp_weights(model) -> bool:
-    if mtp_layout(model):  # its fc is what every layer reads first
-        return PREFIX + "fc.weight" in (_checkpoint_keys(model) or ())
+    if layout := mtp_layout(model):  # a tensor every layer reads first
+        return LAYOUTS[layout].presence_key(model.config) in (_checkpoint_keys(model) or ())
     try:
         pattern: re.Pattern = mtp_weights_regex(mtp_support(), model)
     except (ValueError, AttributeError, TypeError):
@@ -131,9 +132,9 @@ def random_mtp_layers(target, num_layers: int, std: float = 0.3, seed: int = 0):
     MTP layers for tests and benchmarks of the machinery (their drafts are meaningless).
     ``MtpModel`` is meant to be loaded from a checkpoint, and its own init leaves e.g. fused
     expert weights uninitialised, hence the explicit values. ``target.config`` must declare
-    ``num_mtp_layers``. For a type with an ``mtp_layout``: :class:`FcMtpLayers` instead."""
-    if mtp_layout(target):
-        return FcMtpLayers.random(target, num_layers, std, seed)
+    ``num_mtp_layers``. For a type with an ``mtp_layout``: that layout's class instead."""
+    if layout := mtp_layout(target):
+        return LAYOUTS[layout].random(target, num_layers, std, seed)
     layers = mtp_support()(target, num_layers).eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -166,7 +167,7 @@ def _no_mtp_error(model, why: str) -> ValueError:
     return ValueError(
         f"draft='mtp': {type(model).__name__} {why}. MTP drafting needs a checkpoint that carries "
         f"multi-token-prediction layers (DeepSeek-V3, GLM-4-MoE, Mellum, ... with num_mtp_layers in "
-        f"their config; Qwen3-Next, Qwen3.5 with mtp_num_hidden_layers and mtp.* tensors), or "
+        f"their config; Qwen3-Next, Qwen3.5 with mtp_num_hidden_layers and mtp.* tensors; BailingHybrid), or "
         f"specfx.MTP(layers=...) with MTP layers built for this target. "
         f"Otherwise use draft='prompt_lookup', draft='early_exit:N' or a draft model."
     )
@@ -178,11 +179,11 @@ class MTP(Drafter):
     Args:
         layers: a ``transformers.modeling_layers.MtpModel`` built for this target (e.g.
             ``MtpModel(target, n)`` trained by you, or ``MtpModel.from_pretrained(target)``), or,
-            for a type whose table row names an MTP layout (Qwen3-Next, Qwen3.5), specfx's
-            :class:`~specfx.drafters.mtp_fc.FcMtpLayers` for this target.
+            for a type whose table row names an MTP layout (Qwen3-Next, Qwen3.5, BailingHybrid), that
+            layout's class in :mod:`specfx.drafters.mtp_fc` built for this target.
             None (default, and ``draft="mtp"``): loaded from the target's checkpoint at
             ``speculate()`` time, by ``MtpModel.from_pretrained`` or, for such a type, by
-            :meth:`FcMtpLayers.from_checkpoint` (the ``mtp.*`` tensors transformers drops).
+            the layout's ``from_checkpoint`` (the MTP tensors transformers drops).
     """
 
     name = "mtp"
@@ -223,7 +224,7 @@ class MTP(Drafter):
             "transformers' MTP layers (MtpModel) are built from the target's own decoder-layer class, whose "
             "layers may keep state of their own that nothing rolls back, and no stateful type's MtpModel layers "
             "have been verified; specfx builds MTP layers keeping attention KV only for the types whose table row "
-            "names an MTP layout (Qwen3-Next, Qwen3.5, Qwen3.5-MoE: ArchSpec.mtp_layout)"
+            "names an MTP layout (Qwen3-Next, Qwen3.5, Qwen3.5-MoE, BailingHybrid: ArchSpec.mtp_layout)"
         )
 
     def bind(self, target: ModelRunner) -> None:
@@ -294,10 +295,10 @@ class MTP(Drafter):
             raise _no_mtp_error(
                 model,
                 f"declares {mtp_layer_count(model)} MTP layer(s) but its checkpoint {where!r} holds no "
-                f"MTP weights ({PREFIX}fc.weight; the model was not loaded from such a checkpoint, or it was saved "
-                f"without them)",
+                f"MTP weights ({LAYOUTS[mtp_layout(model)].presence_key(model.config)}; the model was not loaded "
+                f"from such a checkpoint, or it was saved without them)",
             )
-        return FcMtpLayers.from_checkpoint(model)
+        return LAYOUTS[mtp_layout(model)].from_checkpoint(model)
 
     def allocate(self, batch_size: int, capacity: int) -> None:
         device = self.target.device
@@ -333,7 +334,7 @@ class MTP(Drafter):
         self.cache.slots = slots
         embeds = mtp.embed_tokens(ids)
         mask = self._mask(i, positions)
-        if isinstance(mtp, FcMtpLayers):  # a layout whose layers share the fc and norms; rope its own
+        if isinstance(mtp, FcMtpLayers):  # a layout specfx builds: its own depth and rope
             return mtp.forward_layer(
                 i, embeds, hidden, positions, attention_mask=mask, **{self.cache_kwarg: self.cache}
             )

@@ -1,6 +1,7 @@
 """MTP layers that transformers drops, built by specfx from the target's own classes and read
-from its checkpoint: the ``"qwen3_next"`` layout (``ArchSpec.mtp_layout``: Qwen3-Next, Qwen3.5,
-Qwen3.5-MoE; decision 86).
+from its checkpoint (``ArchSpec.mtp_layout``; decisions 86, 95): the ``"qwen3_next"`` layout
+(Qwen3-Next, Qwen3.5, Qwen3.5-MoE; :class:`FcMtpLayers`, below) and the ``"bailing"`` layout
+(BailingHybrid, inclusionAI's Ling 3; :class:`EhMtpLayers`, at the end).
 
 transformers' classes of these types skip the checkpoint's ``mtp.*`` tensors
 (``_keys_to_ignore_on_load_unexpected``) and their configs declare no ``num_mtp_layers``, so its
@@ -40,7 +41,7 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-__all__ = ["FcMtpLayers", "checkpoint_files", "fc_mtp_layer_count"]
+__all__ = ["LAYOUTS", "EhMtpLayers", "FcMtpLayers", "checkpoint_files", "fc_mtp_layer_count"]
 
 PREFIX = "mtp."
 _PER_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
@@ -97,7 +98,15 @@ class FcMtpLayers(nn.Module):
     rotary embedding are the target's, shared and not owned (kept out of the state dict).
 
     :meth:`forward_layer` is one depth: what transformers' ``MtpLayer`` computes for DeepSeek-style
-    layers, with this layout's shared fc and norms."""
+    layers, with this layout's shared fc and norms.
+
+    A layout is a subclass: its modules (``__init__``), its depth (:meth:`forward_layer`), its
+    checkpoint names (:meth:`module_name` / :meth:`checkpoint_name`), the tensor whose presence says
+    a checkpoint has the layers (:meth:`presence_key`), the config field counting them
+    (``count_field``) and the engine whose loader it follows (``reference``)."""
+
+    count_field = "mtp_num_hidden_layers"
+    reference = "vLLM's Qwen3-Next/Qwen3.5 MTP"
 
     def __init__(self, target, num_layers: int, *, place: bool = True):
         super().__init__()
@@ -143,6 +152,21 @@ class FcMtpLayers(nn.Module):
             positions = positions.unsqueeze(0).expand(3, -1, -1)  # [3, B, T]
         return self.rotary_emb(embeds, positions)
 
+    # ----------------------------------------------------------------- checkpoint names
+    @classmethod
+    def module_name(cls, name: str, config) -> str | None:
+        """The state-dict name of checkpoint tensor ``name`` (None: not one of these layers')."""
+        return name[len(PREFIX) :] if name.startswith(PREFIX) else None
+
+    def checkpoint_name(self, name: str) -> str:
+        """The checkpoint name of state-dict entry ``name`` (experts fused; see :meth:`checkpoint_tensors`)."""
+        return PREFIX + name
+
+    @classmethod
+    def presence_key(cls, config) -> str:
+        """A tensor every checkpoint with these layers holds (the first thing a depth reads)."""
+        return PREFIX + "fc.weight"
+
     # ----------------------------------------------------------------- building
     @classmethod
     def random(cls, target, num_layers: int, std: float = 0.3, seed: int = 0) -> FcMtpLayers:
@@ -168,7 +192,11 @@ class FcMtpLayers(nn.Module):
                 f"draft='mtp': {name}'s config sets mtp_use_dedicated_embeddings: MTP layers with an "
                 f"embedding of their own are a layout specfx has not read (every checkpoint seen shares the target's)."
             )
-        files = {k: f for k, f in (checkpoint_files(target) or {}).items() if k.startswith(PREFIX)}
+        config = target.config.get_text_config(decoder=True)
+        files = {}  # {module name: (checkpoint name, file)}
+        for k, f in (checkpoint_files(target) or {}).items():
+            if (m := cls.module_name(k, config)) is not None:
+                files[m] = (k, f)
         with torch.device("meta"):  # no initialisation of what the checkpoint overwrites (billions of expert weights)
             layers = cls(target, n, place=False)
         tensors = _fold_experts(_read(files), set(layers.state_dict()))
@@ -177,29 +205,32 @@ class FcMtpLayers(nn.Module):
         if missing or unexpected or unset:
             raise ValueError(
                 f"draft='mtp': the checkpoint's MTP tensors do not match {n} MTP layer(s) of {name}'s layout "
-                f"(vLLM's Qwen3-Next/Qwen3.5 MTP): missing {sorted(PREFIX + k for k in missing)[:8]}, "
-                f"unexpected {sorted(PREFIX + k for k in unexpected)[:8]}, buffers no checkpoint sets {unset[:8]}."
+                f"({cls.reference}): missing {sorted(layers.checkpoint_name(k) for k in missing)[:8]}, "
+                f"unexpected {sorted(files[k][0] if k in files else k for k in unexpected)[:8]}, "
+                f"buffers no checkpoint sets {unset[:8]}."
             )
         return layers.to(device=target.device, dtype=target.dtype).eval()
 
     def checkpoint_tensors(self, per_expert: bool) -> dict[str, torch.Tensor]:
-        """This module's tensors under their checkpoint names (``mtp.``...), experts one tensor
-        per expert when ``per_expert`` (how transformers saves these types), else fused."""
-        tensors = {PREFIX + k: t.detach().contiguous() for k, t in self.state_dict().items()}
-        return _unfold_experts(tensors) if per_expert else tensors
+        """This module's tensors under their checkpoint names, experts one tensor per expert when
+        ``per_expert`` (how transformers saves these types), else fused."""
+        tensors = {k: t.detach().contiguous() for k, t in self.state_dict().items()}
+        tensors = _unfold_experts(tensors) if per_expert else tensors
+        return {self.checkpoint_name(k): t for k, t in tensors.items()}
 
 
-def _read(files: dict[str, str]) -> dict[str, torch.Tensor]:
+def _read(files: dict[str, tuple[str, str]]) -> dict[str, torch.Tensor]:
+    """``{module name: tensor}`` from ``{module name: (checkpoint name, safetensors file)}``."""
     from safetensors import safe_open
 
     by_file = defaultdict(list)
-    for name, f in files.items():
-        by_file[f].append(name)
+    for module_name, (name, f) in files.items():
+        by_file[f].append((module_name, name))
     tensors = {}
     for f, names in by_file.items():
         with safe_open(f, framework="pt", device="cpu") as opened:
-            for name in names:
-                tensors[name[len(PREFIX) :]] = opened.get_tensor(name)
+            for module_name, name in names:
+                tensors[module_name] = opened.get_tensor(name)
     return tensors
 
 
@@ -217,7 +248,9 @@ def _fold_experts(tensors: dict[str, torch.Tensor], module_keys: set[str]) -> di
         count = 1 + max(e for e, _ in parts)
         need = [(e, p) for e in range(count) for p in ("gate_proj", "up_proj", "down_proj") if (e, p) not in parts]
         if need:
-            raise ValueError(f"draft='mtp': the checkpoint lacks {PREFIX}{experts}.{need[0][0]}.{need[0][1]}.weight.")
+            raise ValueError(
+                f"draft='mtp': the checkpoint lacks the MTP tensor {experts}.{need[0][0]}.{need[0][1]}.weight."
+            )
         out[f"{experts}.gate_up_proj"] = torch.stack(
             [torch.cat([parts[e, "gate_proj"], parts[e, "up_proj"]]) for e in range(count)]
         )
@@ -241,3 +274,111 @@ def _unfold_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
         else:
             out[k] = t
     return out
+
+
+# ----------------------------------------------------------------- the "bailing" layout
+_AT_LAYER = re.compile(r"^model\.layers\.(?P<i>\d+)\.(?P<rest>.+)$")
+# checkpoint -> transformers names inside an MTP layer (BailingHybrid's conversion mapping; a checkpoint
+# saved by transformers is written back in the original names, so both forms are read)
+_TO_MODULE = (
+    ("attention.dense.", "self_attn.o_proj."),
+    ("attention.", "self_attn."),
+    ("self_attn.dense.", "self_attn.o_proj."),
+    ("mlp.gate.expert_bias", "mlp.gate.e_score_correction_bias"),
+)
+_TO_CHECKPOINT = (
+    ("self_attn.o_proj.", "attention.dense."),
+    ("self_attn.", "attention."),
+    ("mlp.gate.e_score_correction_bias", "mlp.gate.expert_bias"),
+)
+
+
+def _rename(rest: str, pairs) -> str:
+    for old, new in pairs:
+        if rest.startswith(old) or f".{old}" in rest:
+            return rest.replace(old, new, 1)
+    return rest
+
+
+class EhMtpLayers(FcMtpLayers):
+    """The ``"bailing"`` MTP layout (BailingHybrid: inclusionAI's Ling 3; decision 95), the one vLLM
+    loads (``BailingMoeV3MultiTokenPredictor`` in vllm-project/vllm
+    ``vllm/model_executor/models/bailing_moe_v3_mtp.py`` @ 017ad415), restated: MTP layer ``i`` is stored
+    after the decoder's, at ``model.layers.{num_hidden_layers + i}``, with norms and projection of its own::
+
+        enorm, hnorm       RMSNorm of the token's embedding and of the previous depth's hidden state
+        eh_proj            Linear(2H -> H, no bias) over cat(enorm(embedding), hnorm(hidden))
+        input_layernorm, attention.* (MLA, head-wise gate), post_attention_layernorm, mlp.* (MoE)
+                           a decoder layer: the target's class built as a full-attention MoE layer
+        final_layernorm    RMSNorm of the layer's output: the LM head's input and the next depth's hidden
+
+    Tensors are named as Ling's checkpoints name them (``attention.dense`` is transformers'
+    ``self_attn.o_proj``, ``mlp.gate.expert_bias`` its ``e_score_correction_bias``, experts one tensor
+    each); the config counts the layers in ``num_mtp_layers`` (``num_nextn_predict_layers``). Unlike
+    DeepSeek's MTP in vLLM, this one does not zero the embedding at position 0."""
+
+    count_field = "num_mtp_layers"
+    reference = "vLLM's Bailing-MoE V3 MTP"
+
+    def __init__(self, target, num_layers: int, *, place: bool = True):
+        nn.Module.__init__(self)
+        decoder = target.get_decoder()
+        config = copy.deepcopy(target.config.get_text_config(decoder=True))
+        self.first = config.num_hidden_layers  # the checkpoint index of MTP layer 0
+        config.num_hidden_layers = num_layers
+        config.layer_types = ["full_attention"] * num_layers  # MLA
+        config.mlp_layer_types = ["sparse"] * num_layers  # MoE, as vLLM builds it whatever the index
+        self.config = config
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        norm, layer_class = type(decoder.norm), type(decoder.layers[0])
+        self.layers = nn.ModuleList()
+        for i in range(num_layers):
+            layer = layer_class(config, i)
+            layer.enorm, layer.hnorm = norm(hidden, eps=eps), norm(hidden, eps=eps)
+            layer.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+            layer.final_layernorm = norm(hidden, eps=eps)
+            self.layers.append(layer)
+        if place:
+            self.to(device=target.device, dtype=target.dtype)
+        self.tie(target)
+
+    @classmethod
+    def random(cls, target, num_layers: int, std: float = 0.3, seed: int = 0) -> EhMtpLayers:
+        """As :meth:`FcMtpLayers.random`, the routers' score-correction biases (buffers the checkpoint
+        sets too) random as well, so that a bias left unread changes the drafts."""
+        layers = super().random(target, num_layers, std, seed)
+        g = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for name, b in layers.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    b.copy_(torch.randn(b.shape, generator=g))
+        return layers
+
+    def forward_layer(
+        self, i: int, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, **kwargs
+    ) -> torch.Tensor:
+        layer = self.layers[i]
+        x = layer.eh_proj(torch.cat([layer.enorm(embeds), layer.hnorm(hidden)], dim=-1))
+        rope = self.rope(embeds, positions)
+        return layer.final_layernorm(layer(x, position_embeddings=rope, position_ids=positions, **kwargs))
+
+    @classmethod
+    def module_name(cls, name: str, config) -> str | None:
+        m = _AT_LAYER.match(name)
+        if m is None:
+            return None
+        i = int(m["i"]) - config.num_hidden_layers
+        if not 0 <= i < fc_mtp_layer_count(config):
+            return None
+        return f"layers.{i}.{_rename(m['rest'], _TO_MODULE)}"
+
+    def checkpoint_name(self, name: str) -> str:
+        _, i, rest = name.split(".", 2)
+        return f"model.layers.{self.first + int(i)}.{_rename(rest, _TO_CHECKPOINT)}"
+
+    @classmethod
+    def presence_key(cls, config) -> str:
+        return f"model.layers.{config.get_text_config(decoder=True).num_hidden_layers}.eh_proj.weight"
+
+
+LAYOUTS = {"qwen3_next": FcMtpLayers, "bailing": EhMtpLayers}  # ArchSpec.mtp_layout -> its class

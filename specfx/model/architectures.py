@@ -111,16 +111,10 @@ def _state(
 INDUCTOR_2_13 = {"kimi_linear", "bailing_hybrid", "mamba2", "bamba", "granitemoehybrid", "falcon_h1", "zamba"}
 
 
-# MTP layers transformers drops (`mtp.*` ignored on load) that specfx builds from the target's own decoder-layer
-# class as a full-attention layer, laid out as vLLM loads them (decision 86; specfx/drafters/mtp_fc.py)
-MTP_LAYOUTS = dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"), "qwen3_next")
+# MTP layers transformers drops (ignored on load) that specfx builds from the target's own decoder-layer class
+# as a full-attention layer, laid out as vLLM loads them (decisions 86, 95; specfx/drafters/mtp_fc.py)
+MTP_LAYOUTS = {**dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"), "qwen3_next"), "bailing_hybrid": "bailing"}
 MTP_REASONS = {
-    "bailing_hybrid": (
-        "its checkpoints keep the MTP layers after the decoder's (model.layers.{num_hidden_layers + i}.*: enorm, hnorm, "
-        "eh_proj, an MLA attention layer with MoE, final_layernorm; attention KV only, no state), which transformers "
-        "ignores on load and cannot build (its config has num_mtp_layers but no mtp_layer_types, so "
-        "get_mtp_config() refuses), and specfx has no layout for them yet"
-    ),
     "olmo_hybrid": (
         "transformers ignores its checkpoints' mtp.* tensors and its config declares no MTP layer count; specfx has "
         "no layout for them (none has been read)"

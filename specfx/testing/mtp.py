@@ -1,6 +1,6 @@
 """Tiny targets with random native MTP layers (DeepSeek-V3, GLM-4-MoE, Mellum), for tests and
 ``specfx bench gpu_check``: ``mtp_target(arch, m)`` gives ``(target, mtp_layers)``, cached; and
-``fc_mtp_checkpoint(arch, m, directory)``: a tiny hybrid target (Qwen3-Next, Qwen3.5) saved with
+``fc_mtp_checkpoint(arch, m, directory)``: a tiny hybrid target (Qwen3-Next, Qwen3.5, BailingHybrid) saved with
 random MTP layers of its table row's layout and loaded back from that checkpoint (decision 86)."""
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from specfx.drafters import mtp as mtp_module
+from specfx.drafters.mtp_fc import LAYOUTS
+from specfx.model.architectures import ARCHITECTURES
 from specfx.testing.tiny import STATEFUL_TINY, tiny_causal_lm
 
 __all__ = ["BUILT", "MTP_ARCHS", "fc_mtp_checkpoint", "hf_builds_mtp", "mtp_config", "mtp_target"]
@@ -74,13 +76,14 @@ BUILT = sorted(arch for arch in MTP_ARCHS if hf_builds_mtp(arch))  # where this 
 
 def fc_mtp_checkpoint(arch: str, m: int, directory, vocab: int = 128, seed: int = 0, **overrides):
     """``(target, layers)``: a tiny ``arch`` (a type whose table row names an MTP layout) declaring
-    ``m`` MTP layers (``mtp_num_hidden_layers``), saved to ``directory`` with random MTP layers
-    under ``mtp.`` and loaded back from there (so ``draft="mtp"`` reads them from the checkpoint);
+    ``m`` MTP layers (its layout's ``count_field``), saved to ``directory`` with random MTP layers
+    under their checkpoint names and loaded back from there (so ``draft="mtp"`` reads them from the checkpoint);
     ``layers``: those random layers, tied to the loaded target. No EOS; the pad id (0) has a real
     embedding, so only the 2-D mask hides padding, as in real checkpoints. ``overrides``: more config
     fields for the target (e.g. ``initializer_range``), over its tiny row's."""
     config = {**STATEFUL_TINY[arch], **overrides}
-    target = tiny_causal_lm(arch, vocab_size=vocab, seed=seed, mtp_num_hidden_layers=m, **config)
+    count = LAYOUTS[ARCHITECTURES[arch].mtp_layout].count_field  # the config field counting the MTP layers
+    target = tiny_causal_lm(arch, vocab_size=vocab, seed=seed, **{count: m}, **config)
     with torch.no_grad():
         target.get_input_embeddings().weight[0].normal_()
     layers = mtp_module.random_mtp_layers(target, m, std=0.3, seed=seed + 1)

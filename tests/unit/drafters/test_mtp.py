@@ -210,9 +210,9 @@ def test_draft_mtp_on_a_model_without_mtp_layers_is_a_clear_error(model, match):
     [
         (a, match)
         for a, match in (
-            # admitted as a target (decision 79); MTP refused with its table row's reason (decision 86:
-            # transformers cannot build its MTP layers, and specfx has no layout for them)
-            ("bailing_hybrid", r"refused on model type 'bailing_hybrid': its checkpoints keep the MTP layers"),
+            # admitted as a target (decision 79), its MTP layers built by specfx (decision 95) from a
+            # checkpoint: this one, built from a config, has none (every config declares one)
+            ("bailing_hybrid", r"declares 1 MTP layer\(s\) but its checkpoint .* holds no MTP weights \(model"),
             # admitted as a target (decision 90: verified by single steps); transformers' own MTP layers refused
             ("nemotron_h", r"keeps recurrent or linear-attention state: transformers' MTP layers \(MtpModel\)"),
             # refused as targets, with the table's reason, MTP or not

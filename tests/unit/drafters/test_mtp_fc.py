@@ -1,8 +1,8 @@
 """MTP on hybrid targets whose checkpoints ship MTP layers transformers drops: Qwen3-Next, Qwen3.5 and
-Qwen3.5-MoE (``ArchSpec.mtp_layout = "qwen3_next"``; decision 86). specfx builds the layers from the
-target's own classes (its decoder layer as a full-attention layer, its RMSNorm) and the checkpoint's
-``mtp.*`` tensors; they keep attention KV only, so the target's recurrent state is rolled back as
-for any drafter reading its hidden states (decision 82).
+Qwen3.5-MoE (``ArchSpec.mtp_layout = "qwen3_next"``; decision 86) and BailingHybrid (Ling 3; ``"bailing"``,
+decision 95). specfx builds the layers from the target's own classes (its decoder layer as a
+full-attention layer, its RMSNorm) and the checkpoint's MTP tensors; they keep attention KV only, so the
+target's recurrent state is rolled back as for any drafter reading its hidden states (decision 82).
 
 The reference is a restatement of vLLM's MTP forward written here from the facts of
 vllm-project/vllm at pinned commits (no code copied):
@@ -27,8 +27,27 @@ vllm-project/vllm at pinned commits (no code copied):
 The restatement reads the raw checkpoint tensors (per-expert names, as transformers saves these types),
 so it checks specfx's loading too. Breaking specfx's layer (the embedding/hidden concatenation swapped,
 the final norm dropped) fails the numerics test.
+
+The ``"bailing"`` layout's reference, from vllm-project/vllm at pinned commits:
+
+* ``vllm/model_executor/models/bailing_moe_v3_mtp.py`` @ 017ad415dee415ffef1431b820fbeca779c5a779
+  (``BailingMoeV3MultiTokenPredictorLayer``): MTP layer ``i`` is checkpoint layer ``num_hidden_layers + i``
+  (``model.layers.{N + i}.*``); ``e = enorm(embed(token))``, ``h = hnorm(hidden)`` (RMSNorm, scale
+  ``weight``), ``x = eh_proj(cat([e, h]))``, then ``input_layernorm``, MLA attention, residual,
+  ``post_attention_layernorm``, the MoE block (always MoE), residual, and ``final_layernorm``: the LM head's
+  input (the target's head) and the next step's hidden state; the embedding at position 0 is not zeroed.
+* ``bailing_moe_v3.py`` @ 1310e2a6f71b74e880fc4a254cfaf7e1337d7301: checkpoint names ``.attention.`` are
+  the model's ``.self_attn.``; ``mlp.gate.e_score_correction_bias`` is also stored as ``expert_bias``.
+
+The restated wrapper (norms, concatenation order, projection, final norm, names) runs around
+transformers' own BailingHybrid decoder layer (MLA with its head-wise gate, the grouped sigmoid router),
+loaded by the test from the raw tensors under transformers' names (``attention.dense`` is its
+``self_attn.o_proj``) over the whole window from scratch: the layer's internals are transformers'
+(the same code as the target's own layers, which the conformance tests compare with ``generate()``);
+what specfx adds (layout, names, cache, mask, rope, chaining) is checked against the restatement.
 """
 
+import copy
 import math
 
 import pytest
@@ -38,13 +57,13 @@ from safetensors.torch import load_file, save_file
 
 import specfx
 from specfx.drafters import mtp as mtp_module
-from specfx.drafters.mtp_fc import FcMtpLayers
+from specfx.drafters.mtp_fc import LAYOUTS, EhMtpLayers, FcMtpLayers
 from specfx.model.architectures import ARCHITECTURES, installed
 from specfx.testing.mtp import fc_mtp_checkpoint
 from specfx.testing.tiny import STATEFUL_TINY, tiny_causal_lm
 from tests.conftest import active_rounds, left_padded, prompt, tiered
 
-ARCHS = [a for a, spec in ARCHITECTURES.items() if spec.mtp_layout == "qwen3_next" and installed(a)]
+ARCHS = [a for a, spec in ARCHITECTURES.items() if spec.mtp_layout and installed(a)]  # every layout's types
 VOCAB = 8  # random MTP layers then agree with the target often enough for rounds that accept some
 
 _checkpoints = {}
@@ -66,13 +85,16 @@ def checkpoint(tmp_path_factory):
 class _Restated:
     """vLLM's Qwen3-Next / Qwen3.5 MTP over raw checkpoint tensors (see the module docstring)."""
 
+    EMBED = "model.embed_tokens.weight"
+
     def __init__(self, target):
         path = target.config.name_or_path
         with safe_open(f"{path}/model.safetensors", framework="pt") as f:
             self.w = {k: f.get_tensor(k) for k in f.keys()}
         self.c = target.config
-        self.embed = self.w["model.embed_tokens.weight"]
+        self.embed = self.w[self.EMBED]
         self.head = self.w.get("lm_head.weight", self.embed)
+        self.target = target
 
     def norm(self, x, name):  # GemmaRMSNorm: x / rms(x) * (1 + w), in float32
         x32 = x.float()
@@ -159,6 +181,68 @@ class _Restated:
         return drafts
 
 
+class _RestatedBailing(_Restated):
+    """vLLM's Bailing-MoE V3 MTP wrapper over raw checkpoint tensors, around transformers' decoder layer
+    (see the module docstring)."""
+
+    EMBED = "model.word_embeddings.weight"  # Ling's name for the embedding
+
+    def norm(self, x, name):  # RMSNorm: x / rms(x) * w, in float32
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.c.rms_norm_eps)
+        return (x32 * self.w[name].float()).to(x.dtype)
+
+    def decoder_layer(self, p):
+        """transformers' decoder layer built as a full-attention MoE layer, loaded from the tensors under
+        ``p`` renamed to transformers' names here, experts folded as its conversion folds them."""
+        config = copy.deepcopy(self.c)
+        config.num_hidden_layers, config.layer_types, config.mlp_layer_types = 1, ["full_attention"], ["sparse"]
+        layer = type(self.target.model.layers[0])(config, 0).eval()
+        own = ("enorm.", "hnorm.", "eh_proj.", "final_layernorm.")
+        state, experts = {}, {}
+        for k, t in self.w.items():
+            if not k.startswith(p) or k[len(p) :].startswith(own):
+                continue
+            k = k[len(p) :].replace("attention.dense.", "self_attn.o_proj.").replace("attention.", "self_attn.")
+            k = k.replace("mlp.gate.expert_bias", "mlp.gate.e_score_correction_bias")
+            if k.startswith("mlp.experts."):
+                _, _, e, proj, _ = k.split(".")
+                experts[int(e), proj] = t
+            else:
+                state[k] = t
+        count = 1 + max(e for e, _ in experts)
+        state["mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([experts[e, "gate_proj"], experts[e, "up_proj"]]) for e in range(count)]
+        )
+        state["mlp.experts.down_proj"] = torch.stack([experts[e, "down_proj"] for e in range(count)])
+        layer.load_state_dict(state, strict=True)
+        return layer
+
+    @torch.no_grad()
+    def step(self, tokens, hidden, positions, step: int = 0):
+        c = self.c
+        p = f"model.layers.{c.num_hidden_layers + step % c.num_mtp_layers}."
+        e = self.norm(self.embed[tokens], p + "enorm.weight")
+        h = self.norm(hidden, p + "hnorm.weight")
+        x = (torch.cat([e, h], dim=-1) @ self.w[p + "eh_proj.weight"].T).unsqueeze(0)
+        t = x.shape[1]
+        causal = torch.zeros(1, 1, t, t).masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        rope = self.target.model.rotary_emb(x, positions.unsqueeze(0))
+        out = self.decoder_layer(p)(
+            x, attention_mask=causal, position_ids=positions.unsqueeze(0), position_embeddings=rope
+        )
+        out = self.norm(out[0], p + "final_layernorm.weight")
+        return out, out @ self.head.T
+
+
+def _restated(target) -> _Restated:
+    return (
+        _RestatedBailing(target)
+        if ARCHITECTURES[target.config.model_type].mtp_layout == "bailing"
+        else _Restated(target)
+    )
+
+
 # ----------------------------------------------------------------- (a) numerics
 @pytest.mark.parametrize("arch", ARCHS)
 def test_mtp_layer_equals_restated_vllm_forward(arch, checkpoint, one_thread):
@@ -167,7 +251,7 @@ def test_mtp_layer_equals_restated_vllm_forward(arch, checkpoint, one_thread):
     target, _ = checkpoint(arch)
     spec = specfx.speculate(target, draft="mtp", num_speculative_tokens=2, compile=False)
     drafter = spec.drafter
-    assert isinstance(drafter.mtp, FcMtpLayers)
+    assert type(drafter.mtp) is LAYOUTS[ARCHITECTURES[arch].mtp_layout]
     drafter.allocate(1, 64)
     t = 11
     g = torch.Generator().manual_seed(3)
@@ -176,7 +260,7 @@ def test_mtp_layer_equals_restated_vllm_forward(arch, checkpoint, one_thread):
     pos = torch.arange(1, t + 1).unsqueeze(0)  # the tokens' positions (specfx's and HF's convention)
     with torch.no_grad():
         got = drafter._logits(drafter._layer(0, tokens.unsqueeze(0), hidden.unsqueeze(0), pos, pos))[0]
-    _, expected = _Restated(target).step(tokens, hidden, torch.arange(t))  # vLLM's: the hidden's positions
+    _, expected = _restated(target).step(tokens, hidden, torch.arange(t))  # vLLM's: the hidden's positions
     scale = expected.abs().max()
     assert scale > 1.0  # the logits are far from zero: a wrong layer could not hide in the tolerance
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5 * scale)
@@ -258,7 +342,7 @@ def test_proposals_equal_the_restated_greedy_chain_in_every_round(arch, checkpoi
     ids, mask = left_padded(6, [1, 3], seed=7, vocab=VOCAB)
     new = 16
     _assert_equal_generate(spec, target, ids, mask, new)
-    reference, checked = _Restated(target), 0
+    reference, checked = _restated(target), 0
     for b, committed, proposals in active_rounds(drafter.rounds, mask.sum(dim=1).tolist(), new):
         assert proposals[b].tolist() == reference.greedy_chain(target, committed, 3), (b, committed)
         checked += 1
@@ -289,14 +373,44 @@ def test_experts_load_from_either_checkpoint_form(checkpoint, tmp_path, one_thre
 def test_a_checkpoint_without_mtp_tensors_or_a_config_without_the_count_is_a_clear_error(one_thread):
     no_weights = tiny_causal_lm("qwen3_next", mtp_num_hidden_layers=1, **STATEFUL_TINY["qwen3_next"])
     no_count = tiny_causal_lm("qwen3_next", **STATEFUL_TINY["qwen3_next"])
-    for model, match in (
+    cases = [
         (no_weights, r"declares 1 MTP layer\(s\) but its checkpoint .* holds no MTP weights \(mtp.fc.weight"),
         (no_count, r"has no MTP layers \(its config sets no mtp_num_hidden_layers or num_nextn_predict_layers\)"),
-    ):
+    ]
+    for model, match in cases:
         assert not mtp_module.has_mtp(model)
         with pytest.raises(ValueError, match=match):
             specfx.speculate(model, draft="mtp", compile=False)
         assert specfx.speculate(model, compile=False).drafter.name != "mtp"
+
+
+@pytest.mark.skipif(not installed("bailing_hybrid"), reason="transformers has no bailing_hybrid")
+def test_bailing_layers_load_from_ling_or_transformers_names_and_a_missing_tensor_is_named(checkpoint, tmp_path):
+    """The ``"bailing"`` layout reads Ling's names (``attention.dense``, ``mlp.gate.expert_bias``,
+    per-expert tensors: how transformers writes a BailingHybrid checkpoint back) and transformers' own
+    (``self_attn.o_proj``, ``e_score_correction_bias``, fused experts) to the same layers, the routers'
+    biases included; a checkpoint without one of them is refused naming the tensor."""
+    target, layers = checkpoint("bailing_hybrid")
+    assert mtp_module.has_mtp(target) and specfx.speculate(target, compile=False).drafter.name == "mtp"
+    expected = layers.state_dict()
+    assert expected["layers.0.mlp.gate.e_score_correction_bias"].abs().sum() > 0  # random: a bias left unread shows
+    tensors = load_file(f"{target.config.name_or_path}/model.safetensors")
+    assert {"model.layers.2.attention.dense.weight", "model.layers.2.mlp.gate.expert_bias"} <= set(tensors)
+    assert "model.layers.2.mlp.experts.0.gate_proj.weight" in tensors
+    assert all(torch.equal(v, expected[k]) for k, v in EhMtpLayers.from_checkpoint(target).state_dict().items())
+    renamed = {k: v for k, v in tensors.items() if not k.startswith("model.layers.2.")}
+    for k, v in layers.state_dict().items():  # transformers' names, experts fused
+        renamed["model.layers.2." + k.removeprefix("layers.0.")] = v.contiguous()
+    target.config.save_pretrained(tmp_path / "hf_names")
+    save_file(renamed, tmp_path / "hf_names" / "model.safetensors", metadata={"format": "pt"})
+    loaded = type(target).from_pretrained(tmp_path / "hf_names", attn_implementation="sdpa")
+    assert all(torch.equal(v, expected[k]) for k, v in EhMtpLayers.from_checkpoint(loaded).state_dict().items())
+    del tensors["model.layers.2.attention.kv_b_proj.weight"]
+    target.config.save_pretrained(tmp_path / "missing")
+    save_file(tensors, tmp_path / "missing" / "model.safetensors", metadata={"format": "pt"})
+    missing = type(target).from_pretrained(tmp_path / "missing", attn_implementation="sdpa")
+    with pytest.raises(ValueError, match=r"missing \['model\.layers\.2\.attention\.kv_b_proj\.weight'\]"):
+        specfx.speculate(missing, draft="mtp", compile=False)
 
 
 def test_dedicated_mtp_embeddings_are_refused(checkpoint):
@@ -312,15 +426,14 @@ def test_dedicated_mtp_embeddings_are_refused(checkpoint):
 @pytest.mark.parametrize(
     ("arch", "match"),
     [
-        ("bailing_hybrid", r"refused on model type 'bailing_hybrid': its checkpoints keep the MTP layers .* "
-         r"attention KV only, no state\), which transformers ignores on load and cannot build"),
+        ("olmo_hybrid", r"refused on model type 'olmo_hybrid': transformers ignores its checkpoints' mtp\.\* tensors "
+         r"and its config declares no MTP layer count"),
         ("mamba2", r"transformers' MTP layers \(MtpModel\) are built from the target's own decoder-layer class"),
     ],
 )  # fmt: skip
 def test_mtp_without_a_layout_is_refused_on_stateful_targets(arch, match):
-    """A stateful type without an MTP layout: its table row's reason (BailingHybrid, whose MTP layer is
-    MLA + MoE, by vLLM's bailing_moe_v3_mtp.py) or the generic one (MtpModel's layers are the target's
-    class, which may keep state)."""
+    """A stateful type without an MTP layout: its table row's reason (OLMo-Hybrid) or the generic one
+    (MtpModel's layers are the target's class, which may keep state)."""
     if not installed(arch):
         pytest.skip(f"transformers has no {arch}")
     target = tiny_causal_lm(arch, **STATEFUL_TINY[arch])

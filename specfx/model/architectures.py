@@ -116,8 +116,8 @@ INDUCTOR_2_13 = {"kimi_linear", "bailing_hybrid", "mamba2", "bamba", "granitemoe
 MTP_LAYOUTS = {**dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"), "qwen3_next"), "bailing_hybrid": "bailing"}
 MTP_REASONS = {
     "olmo_hybrid": (
-        "transformers ignores its checkpoints' mtp.* tensors and its config declares no MTP layer count; specfx has "
-        "no layout for them (none has been read)"
+        "transformers ignores its checkpoints' mtp.* tensors and its config declares no MTP layer count, and no "
+        "engine documents their layout (vLLM's olmo_hybrid.py has no MTP predictor), so specfx has none to build"
     ),
 }
 

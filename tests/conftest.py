@@ -1,10 +1,11 @@
 """Shared fixtures, and the two tiers of the suite.
 
-``python -m pytest -q tests`` (the README's test command) runs the default tier: every feature,
-on a representative set of architectures, in about eleven minutes on a fresh 2-core CPU. ``--full`` adds
-the tests marked ``full`` (every architecture of the conformance matrix, every parametrisation);
-CI runs it. Markers (``pyproject.toml``): ``full``, ``compiled`` (compiles with Inductor: enforced
-below), ``cuda``.
+``python -m pytest -q -n auto tests`` (the README's test command) runs the default tier: every
+feature, on a representative set of architectures, in under ten minutes on a fresh 2-core CPU
+(decision 96). ``--full`` adds the tests marked ``full`` (every architecture of the conformance
+matrix, every parametrisation, every drafter's lossless proof); CI runs it but for the tests marked
+``exhaustive`` and the Inductor tests not marked ``ci``. Markers (``pyproject.toml``): ``full``,
+``compiled`` (compiles with Inductor: enforced below), ``ci``, ``exhaustive``, ``cuda``.
 """
 
 import gc
@@ -73,13 +74,20 @@ def pytest_report_header(config):
     return f"specfx test tier: {tier}"
 
 
-def tiered(values, default, *, several: bool = False):
+def tiered(values, default, *, several: bool = False, ci=None):
     """``values`` for ``parametrize``, those not in ``default`` marked ``full``: the default tier
-    runs a representative subset, ``--full`` every value. ``several``: each value is a tuple of
-    several arguments (``parametrize(("a", "b"), ...)``)."""
-    full = pytest.mark.full
+    runs a representative subset, ``--full`` every value. ``ci``: the values CI's newest-release run
+    takes besides ``default`` (None: all); the others are also marked ``exhaustive`` (per-architecture
+    repeats of a matrix whose other entries CI runs: ``pytest --full`` only; decision 96).
+    ``several``: each value is a tuple of several arguments (``parametrize(("a", "b"), ...)``)."""
+
+    def marks(v):
+        if v in default:
+            return ()
+        return (pytest.mark.full,) if ci is None or v in ci else (pytest.mark.full, pytest.mark.exhaustive)
+
     return [
-        v if v in default else pytest.param(*v, marks=full) if several else pytest.param(v, marks=full)
+        v if not marks(v) else pytest.param(*v, marks=marks(v)) if several else pytest.param(v, marks=marks(v))
         for v in values
     ]
 
@@ -91,10 +99,11 @@ def round_backends() -> list:
     """``backend`` values for a test of compiled rounds: ``"specfx_eager"`` (Dynamo's trace of the
     round and specfx's passes, run without Inductor: a few seconds) in the default tier, and
     ``"specfx"`` (the same graph lowered by Inductor: 20-90 s per graph on a fresh 2-core machine)
-    marked ``full`` and ``compiled`` (decision 92). For drafters whose kind of round another
-    default-tier test already lowers with Inductor (the draft model's greedy and sampling rounds,
-    prompt lookup, EAGLE-3's tree with taps, Qwen3-Next), so that the README's test command stays
-    near ten minutes on a fresh machine; ``pytest --full`` runs both."""
+    marked ``full`` and ``compiled`` (decisions 92, 96). For drafters whose kind of round another
+    default-tier test already lowers with Inductor (the draft model's greedy round, EAGLE-3's tree
+    with taps, Qwen3-Next; CI's newest run adds the sampling round, prompt lookup and the
+    skinny-linear rewrite, marked ``ci``), so that the README's test command stays under ten
+    minutes on a fresh machine; ``pytest --full`` runs both."""
     return ["specfx_eager", pytest.param("specfx", marks=INDUCTOR_IN_FULL)]
 
 

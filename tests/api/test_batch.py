@@ -1,5 +1,6 @@
 """Ragged batches: per-row losslessness of sampling and per-row statistics."""
 
+import pytest
 import torch
 from transformers.generation.logits_process import LogitsProcessorList
 
@@ -7,6 +8,7 @@ import specfx
 from tests.lossless.test_lossless import NEW, _chisquare, _exact, _models
 
 
+@pytest.mark.full
 def test_ragged_batch_sampling_is_lossless_per_row():
     """Two prompts of different lengths, left-padded and interleaved in one batch: each row's
     samples follow that row's exact target distribution."""

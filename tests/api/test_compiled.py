@@ -60,6 +60,8 @@ def test_warm_calls_with_new_lengths_compile_nothing(compiled):
     assert len(spec.graphs) == before
 
 
+@pytest.mark.full  # the sampling round and prefill lowered (about 85 s); CI's newest run includes it
+@pytest.mark.ci
 def test_compiled_sampling_reproduces_eager_stream(compiled):
     spec, target, d, ids, _ = compiled
     eager = specfx.speculate(target, draft=d, num_speculative_tokens=3, compile=False)

@@ -20,7 +20,7 @@ def _hf(target, ids, **kw):
     return target.generate(ids, pad_token_id=0, **kw)
 
 
-@pytest.mark.compiled
+@pytest.mark.full  # traces 8 round graphs (specfx_eager: Dynamo, no Inductor), about 25 s
 def test_many_shapes_and_modes_never_hit_the_recompile_limit():
     """Batch sizes 1..6 x greedy/sampling were 12 specialisations of one code object: the 9th
     exceeded Dynamo's recompile limit (FailOnRecompileLimitHit under fullgraph). Now batch sizes

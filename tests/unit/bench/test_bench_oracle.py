@@ -132,6 +132,7 @@ def test_set_alpha_and_reference_write_in_place():
     assert oracle.buffer is buffer
 
 
+@pytest.mark.full
 def test_sampling_with_the_oracle_keeps_the_target_distribution():
     """The docstring's claim: under sampling the oracle is deterministic given its own stream
     (q one-hot), so output follows the target exactly (same chi-square test as test_lossless)."""
@@ -269,6 +270,7 @@ def test_bench_gpu_smoke_runs_every_step(tmp_path):
     assert (tmp_path / "bench_t.md").read_text().count("| tiny | 2 | 24 |") == 3
 
 
+@pytest.mark.full
 def test_bench_gpu_smoke_auto_falls_back_to_plain_decoding(tmp_path):
     """specfx_auto / specfx_auto_oracle on tiny CPU models (specfx_eager): "auto" times a round for
     K = 0 and each --auto-k-values, keeps HF's tokens, runs plain decoding once the oracle at
@@ -334,6 +336,7 @@ def transformers_model(config):
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
 
+@pytest.mark.full
 def test_gpu_check_smoke_on_cpu(tmp_path):
     """specfx bench gpu_check runs its drafter check on the CPU (specfx_eager: traced, not
     Inductor-compiled; the CUDA-only sync and profile checks are skipped there)."""
@@ -352,6 +355,7 @@ def test_gpu_check_smoke_on_cpu(tmp_path):
     ]
 
 
+@pytest.mark.full
 def test_gpu_check_hybrid_smoke_on_cpu(tmp_path):
     """The ``hybrid`` section (stateful targets, issue 29 on the device) runs on the CPU: a GDN
     hybrid and LFM2's short convs with a hybrid draft model, equal to generate() with rounds that

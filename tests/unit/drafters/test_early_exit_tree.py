@@ -42,7 +42,7 @@ def _check_depth_stats(stats, tree):
 
 
 @pytest.mark.parametrize("arch", tiered(["llama", "gpt2"], ["llama"]))
-@pytest.mark.parametrize("name", tiered(list(TREES), ["irregular"]))
+@pytest.mark.parametrize("name", tiered(list(TREES), []))
 def test_tree_greedy_equals_generate(arch, name, one_thread, monkeypatch):
     tree = TREES[name]
     target = _target(arch)
@@ -71,6 +71,7 @@ def test_tree_greedy_equals_generate(arch, name, one_thread, monkeypatch):
     assert len(spec.stats.per_row_accepted) == 3
 
 
+@pytest.mark.full
 def test_exit_equal_to_the_model_accepts_the_whole_rank0_path(one_thread):
     """Later layers zeroed (each block the identity on the residual stream): the exit after
     layer 1 is the whole model, so every level must draft from the right context (its

@@ -229,6 +229,7 @@ def test_pool_hits_on_a_small_vocabulary(one_thread):
 
 
 # --------------------------------------------------------------------------- sampling
+@pytest.mark.full
 def test_sampling_matches_exact_distribution():
     """Chi-square against the enumerated target distribution (harness of test_lossless)."""
     target, _ = _models()

@@ -277,7 +277,15 @@ def _assert_equal_generate(spec, target, ids, mask, new):
 GREEDY = [(a, c) for a in ARCHS for c in (False, True)]  # compile=True: backend="specfx_eager"
 
 
-@pytest.mark.parametrize(("arch", "compile"), tiered(GREEDY, [("qwen3_next", False)], several=True))
+@pytest.mark.parametrize(
+    ("arch", "compile"),
+    tiered(
+        GREEDY,
+        [("qwen3_next", False)],
+        several=True,
+        ci=[("qwen3_next", True), *[("bailing_hybrid", c) for c in (False, True)]],
+    ),
+)
 def test_greedy_equals_generate_with_rounds_that_reject(arch, compile, checkpoint, one_thread):
     """Batch 1 and a left-padded batch of three, K = 3 past the one MTP layer (chained on its own
     output); random layers: most proposals are rejected (every such round rolls the state back), some

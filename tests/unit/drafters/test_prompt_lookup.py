@@ -152,7 +152,7 @@ def test_copying_output_is_accepted(one_thread):
 
 
 # --------------------------------------------------------------------------- sampling
-@pytest.mark.parametrize("k", tiered([1, 3], [3]))
+@pytest.mark.parametrize("k", tiered([1, 3], []))
 def test_sampling_matches_exact_distribution(k):
     """Chi-square against the enumerated target distribution (harness of test_lossless)."""
     target, _ = _models()
@@ -224,6 +224,8 @@ def test_bad_drafter_names(draft, pattern):
 
 # --------------------------------------------------------------------------- compiled
 @pytest.mark.compiled
+@pytest.mark.full
+@pytest.mark.ci
 def test_compiled_prompt_lookup_round(one_thread):
     """One Inductor-compiled generator: greedy equality, one round graph and one prefill graph,
     no host-sync ops, and a warm call with another prompt compiles nothing."""

@@ -141,7 +141,10 @@ def test_auto_k_with_a_stateful_draft(one_thread):
 
 # traced as one graph (specfx_eager: seconds); lowered by Inductor, the default backend: about 5 min
 # on 2 busy cores, so --full
-BACKENDS = ["specfx_eager", pytest.param("specfx", marks=[pytest.mark.compiled, pytest.mark.full])]
+BACKENDS = [
+    pytest.param("specfx_eager", marks=pytest.mark.full),
+    pytest.param("specfx", marks=[pytest.mark.compiled, pytest.mark.full]),
+]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

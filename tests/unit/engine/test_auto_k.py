@@ -314,6 +314,7 @@ def test_seeded_sampling_reproduces_with_auto(one_thread):
     assert torch.equal(a, b) and ka == kb  # K depends on acceptance and on times measured once per shape
 
 
+@pytest.mark.full
 def test_sampling_with_auto_matches_exact_distribution():
     target, draft = _models()
     prompt_ids = [1, 4, 2]

@@ -51,6 +51,8 @@ def test_patches_reach_compile_fx_and_do_not_outlive_it(monkeypatch):
 
 
 @pytest.mark.compiled
+@pytest.mark.full
+@pytest.mark.ci
 def test_generator_compiles_with_them(monkeypatch):
     seen = []
     real = compile_fx_module.compile_fx

@@ -87,6 +87,8 @@ def test_the_real_threshold_spares_small_weights():
 
 
 @pytest.mark.compiled
+@pytest.mark.full
+@pytest.mark.ci
 def test_greedy_output_unchanged_with_every_linear_rewritten(small_threshold):
     """A compiled generator whose every projection (and LM head) is rewritten gives HF's tokens."""
     model = tiny_causal_lm("llama", seed=0)

@@ -52,6 +52,7 @@ def test_training_blocks_equal_the_reference_drafters_blocks(tmp_path, one_threa
     assert not torch.allclose(logits[0, 1:4], reference.block_logits(ids[0, :2].tolist())[:3], atol=1e-3)
 
 
+@pytest.mark.full
 def test_dflash_learns_saves_and_drafts_losslessly(one_thread, tiny_dir, toy, tmp_path):  # noqa: F811
     out = tmp_path / "run"
     # the draft learns through the target's frozen (random) LM head: slower than PARD's own

@@ -74,6 +74,7 @@ def test_train_end_to_end(one_thread, tiny_dir, corpus, tmp_path, head):
     assert torch.equal(spec.generate(ids, max_new_tokens=10, do_sample=False), ref)
 
 
+@pytest.mark.full
 def test_train_is_deterministic_and_resumes_exactly(one_thread, tiny_dir, corpus, tmp_path):
     common = ("--eval-prompts", "0", "--ckpt-every", "2", "--warmup", "1")  # the cosine schedule matters
     assert main(args(tiny_dir, "eagle3", corpus, tmp_path / "a", "--steps", "4", *common)) == 0
@@ -133,6 +134,7 @@ def test_resume_accepts_the_same_data_named_otherwise(one_thread, tiny_dir, corp
     assert "data differ" in capsys.readouterr().err
 
 
+@pytest.mark.full
 def test_narrow_eagle3_head_trains_saves_and_drafts(one_thread, tiny_dir, corpus, tmp_path, capsys):
     """--intermediate-size / --num-attention-heads / --num-key-value-heads give an EAGLE-3 head a
     narrower decoder layer than the target's: fewer parameters, written to config.json (the

@@ -68,7 +68,7 @@ def _assert_greedy_equal(target, spec, ids, mask=None, new=12):
 
 
 # ----------------------------------------------------------------------------- greedy
-@pytest.mark.parametrize("arch", tiered(ARCHS, ("llama",)))
+@pytest.mark.parametrize("arch", tiered(ARCHS, (), ci=("llama", "qwen3")))
 def test_greedy_equals_generate_batch_one_and_left_padded(arch, draft_dir, one_thread):
     target = _target(arch)
     for k in (BLOCK - 1, 2):

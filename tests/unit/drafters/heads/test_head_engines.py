@@ -98,6 +98,7 @@ def test_eagle1_save_warns_exactly_for_the_engines_that_draft_otherwise(case, tm
     assert _drafts_otherwise(rules.EAGLE1_ENGINES, (rules.Eagle1Engine, Eagle1Specfx), target, tmp_path, SEQ) == expected
 
 
+@pytest.mark.full
 def test_eagle1_a_head_trained_here_drafts_in_each_engine_what_specfx_proposes(tmp_path, one_thread):
     """End to end on a small vocabulary (drafts accepted now and then): every round's proposals
     of specfx equal those of the head as SafeAILab's, vLLM's and SGLang's rules load it."""

@@ -46,7 +46,9 @@ TREES = {"medusa": TREE, "eagle": TokenTree.eagle2(budget=8, depth=3, branching=
 CASES = [("tree", arch) for arch in ARCHS] + [("chain", arch) for arch in (ARCHS if BACKEND != "specfx_eager" else ("llama",))]
 
 
-@pytest.mark.parametrize(("shape", "arch"), tiered(CASES, [("tree", "llama")], several=True))
+@pytest.mark.parametrize(
+    ("shape", "arch"), tiered(CASES, [("tree", "llama")], several=True, ci=[("chain", "llama"), ("tree", "gemma2")])
+)
 @pytest.mark.parametrize("kind", tiered(sorted(TREES), ["eagle3"]))
 def test_compiled_round(shape, kind, arch, one_thread):
     target = tiny_causal_lm(arch, num_layers=4)

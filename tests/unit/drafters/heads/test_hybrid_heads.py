@@ -72,7 +72,15 @@ def _assert_equal(spec, target, ids, mask, new):
 _PAIRS = [(a, h) for a in ARCHS for h in HEADS if h != "eagle" or a == "qwen3_next"]
 
 
-@pytest.mark.parametrize(("arch", "kind"), tiered(_PAIRS, [("qwen3_next", "eagle3")], several=True))
+@pytest.mark.parametrize(
+    ("arch", "kind"),
+    tiered(
+        _PAIRS,
+        [],
+        several=True,
+        ci=[("qwen3_next", "eagle3"), ("qwen3_next", "eagle"), ("jamba", "medusa"), ("mamba2", "dflash")],
+    ),
+)
 @torch.no_grad()
 def test_greedy_equals_generate_with_rejecting_rounds(arch, kind, one_thread):
     target = _target(arch)
@@ -98,8 +106,7 @@ class ReferenceMedusa(Medusa):
         return torch.where(pos % self.wrong == 0, (right + 1) % self.vocab_size, right), None
 
 
-@pytest.mark.full  # the default tier: the heads' rejecting rounds above
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", tiered(ARCHS, (), ci=("qwen3_next",)))  # --full: every state kind
 @pytest.mark.parametrize("wrong", [3, None])
 @torch.no_grad()
 def test_rounds_accepting_some_or_all(arch, wrong, one_thread):

@@ -170,7 +170,7 @@ def _check_greedy(spec, target, ids, mask, new=NEW_TOKENS):
 
 
 # --------------------------------------------------------------------------- greedy equality
-@pytest.mark.parametrize("arch", tiered(ARCHS, ("gemma2",)))
+@pytest.mark.parametrize("arch", tiered(ARCHS, (), ci=("gemma2", "llama")))
 def test_greedy_equals_hf(arch, tmp_path, one_thread):
     """Chain K=3 and a token tree, batch 1 and a left-padded batch; fitted heads (FasterDecoding's
     layout for half the architectures, vLLM's for the others) accept at depth >= 2 and reject too."""
@@ -207,6 +207,7 @@ def test_tree_accepts_second_children(tmp_path, one_thread):
     assert depth1["tree"] > depth1["chain"], depth1
 
 
+@pytest.mark.full
 def test_vocabulary_smaller_than_the_target_lm_head(tmp_path, one_thread):
     """Heads over the first 100 ids of a target whose LM head has 128 rows (a padded LM head):
     ids past the heads' vocabulary are never proposed, and the output is still the target's."""
@@ -379,6 +380,7 @@ def test_prefixes_and_counts_inferred_without_config(tmp_path):
     assert Medusa(tmp_path / "plain", num_heads=1).num_heads == 1
 
 
+@pytest.mark.full
 def test_from_target_shares_the_lm_head_and_binds_to_its_dtype(one_thread):
     """Medusa's pre-training initialisation reads through the target's LM head (not a copy);
     bind() casts the heads' own tensors to the target's dtype and device and leaves the

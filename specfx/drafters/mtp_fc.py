@@ -124,8 +124,24 @@ class FcMtpLayers(nn.Module):
         self.layers = nn.ModuleList(layer(config, i) for i in range(num_layers))
         self.norm = norm(hidden, eps=eps)
         if place:  # else built on the meta device, its tensors assigned from a checkpoint
-            self.to(device=target.device, dtype=target.dtype)
+            self.place(target)
         self.tie(target)
+
+    def place(self, target):
+        """On ``target``'s device in its dtype, but for the tensors its class keeps in float32
+        (``_keep_in_fp32_modules(_strict)``, matched as transformers matches them: a substring of the
+        name; BailingHybrid's router weight and score-correction bias), as the target's own layers."""
+        self.to(device=target.device, dtype=target.dtype)
+        keep = [
+            *(getattr(target, "_keep_in_fp32_modules", None) or ()),
+            *(getattr(target, "_keep_in_fp32_modules_strict", None) or ()),
+        ]
+        if keep and target.dtype != torch.float32:
+            pattern = re.compile("|".join(re.escape(k) for k in keep))
+            for name, t in [*self.named_parameters(), *self.named_buffers()]:
+                if pattern.search(name) and t.is_floating_point():
+                    t.data = t.data.float()
+        return self
 
     def tie(self, target) -> None:
         """Share ``target``'s embedding, LM head and rotary embedding (plain attributes: not
@@ -209,7 +225,7 @@ class FcMtpLayers(nn.Module):
                 f"unexpected {sorted(files[k][0] if k in files else k for k in unexpected)[:8]}, "
                 f"buffers no checkpoint sets {unset[:8]}."
             )
-        return layers.to(device=target.device, dtype=target.dtype).eval()
+        return layers.place(target).eval()
 
     def checkpoint_tensors(self, per_expert: bool) -> dict[str, torch.Tensor]:
         """This module's tensors under their checkpoint names, experts one tensor per expert when
@@ -339,7 +355,7 @@ class EhMtpLayers(FcMtpLayers):
             layer.final_layernorm = norm(hidden, eps=eps)
             self.layers.append(layer)
         if place:
-            self.to(device=target.device, dtype=target.dtype)
+            self.place(target)
         self.tie(target)
 
     @classmethod

@@ -421,6 +421,21 @@ def test_bailing_layers_load_from_ling_or_transformers_names_and_a_missing_tenso
         specfx.speculate(missing, draft="mtp", compile=False)
 
 
+@pytest.mark.skipif(not installed("bailing_hybrid"), reason="transformers has no bailing_hybrid")
+def test_bailing_layers_keep_the_tensors_the_target_keeps_in_float32(checkpoint, one_thread):
+    """In bfloat16 the MTP layer's router weight and score-correction bias stay float32, as in the
+    target's own layers (BailingHybrid's ``_keep_in_fp32_modules_strict``), and the layer runs."""
+    target, _ = checkpoint("bailing_hybrid")
+    half = type(target).from_pretrained(target.config.name_or_path, dtype=torch.bfloat16, attn_implementation="sdpa")
+    layers = EhMtpLayers.from_checkpoint(half)
+    dtypes = {n: t.dtype for n, t in [*layers.named_parameters(), *layers.named_buffers()]}
+    assert dtypes["layers.0.mlp.gate.weight"] == dtypes["layers.0.mlp.gate.e_score_correction_bias"] == torch.float32
+    assert dtypes["layers.0.eh_proj.weight"] == dtypes["layers.0.self_attn.o_proj.weight"] == torch.bfloat16
+    assert half.model.layers[1].mlp.gate.weight.dtype == torch.float32  # what the target's own layer keeps
+    spec = specfx.speculate(half, draft=specfx.MTP(layers), num_speculative_tokens=2, compile=False)
+    assert spec.generate(prompt(6, vocab=VOCAB, seed=1), max_new_tokens=6, pad_token_id=0).shape == (1, 12)
+
+
 def test_dedicated_mtp_embeddings_are_refused(checkpoint):
     target, _ = checkpoint("qwen3_next")
     target.config.mtp_use_dedicated_embeddings = True

@@ -100,9 +100,9 @@ def round_backends() -> list:
     round and specfx's passes, run without Inductor: a few seconds) in the default tier, and
     ``"specfx"`` (the same graph lowered by Inductor: 20-90 s per graph on a fresh 2-core machine)
     marked ``full`` and ``compiled`` (decisions 92, 96). For drafters whose kind of round another
-    default-tier test already lowers with Inductor (the draft model's greedy round, EAGLE-3's tree
-    with taps, Qwen3-Next; CI's newest run adds the sampling round, prompt lookup and the
-    skinny-linear rewrite, marked ``ci``), so that the README's test command stays under ten
+    default-tier test already lowers with Inductor (the draft model's greedy round, early exit's
+    tree, an MTP round with taps, Qwen3-Next; CI's newest run adds the sampling round, prompt
+    lookup, EAGLE-3's tree, the skinny-linear rewrite and the scoped options, marked ``ci``), so that the README's test command stays under ten
     minutes on a fresh machine; ``pytest --full`` runs both."""
     return ["specfx_eager", pytest.param("specfx", marks=INDUCTOR_IN_FULL)]
 

@@ -111,11 +111,7 @@ class FcMtpLayers(nn.Module):
     def __init__(self, target, num_layers: int, *, place: bool = True):
         super().__init__()
         decoder = target.get_decoder()
-        config = copy.deepcopy(target.config.get_text_config(decoder=True))
-        # the target's decoder-layer class reads its mixer from layer_types[layer_idx]
-        config.num_hidden_layers = num_layers
-        config.layer_types = ["full_attention"] * num_layers
-        self.config = config
+        self.config = config = self.layer_config(target, num_layers)
         hidden, eps = config.hidden_size, config.rms_norm_eps
         norm, layer = type(decoder.norm), type(decoder.layers[0])
         self.pre_fc_norm_embedding = norm(hidden, eps=eps)
@@ -126,6 +122,15 @@ class FcMtpLayers(nn.Module):
         if place:  # else built on the meta device, its tensors assigned from a checkpoint
             self.place(target)
         self.tie(target)
+
+    @classmethod
+    def layer_config(cls, target, num_layers: int):
+        """A copy of the target's text config for ``num_layers`` MTP layers of full attention (the
+        target's decoder-layer class reads its mixer from ``layer_types[layer_idx]``)."""
+        config = copy.deepcopy(target.config.get_text_config(decoder=True))
+        config.num_hidden_layers = num_layers
+        config.layer_types = ["full_attention"] * num_layers
+        return config
 
     def place(self, target):
         """On ``target``'s device in its dtype, but for the tensors its class keeps in float32
@@ -294,12 +299,12 @@ def _unfold_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 # ----------------------------------------------------------------- the "bailing" layout
 _AT_LAYER = re.compile(r"^model\.layers\.(?P<i>\d+)\.(?P<rest>.+)$")
-# checkpoint -> transformers names inside an MTP layer (BailingHybrid's conversion mapping; a checkpoint
-# saved by transformers is written back in the original names, so both forms are read)
+# checkpoint -> transformers names inside an MTP layer, by prefix (BailingHybrid's conversion mapping; a
+# checkpoint saved by transformers is written back in the original names; one in transformers' own names
+# passes unchanged, so both forms are read)
 _TO_MODULE = (
     ("attention.dense.", "self_attn.o_proj."),
     ("attention.", "self_attn."),
-    ("self_attn.dense.", "self_attn.o_proj."),
     ("mlp.gate.expert_bias", "mlp.gate.e_score_correction_bias"),
 )
 _TO_CHECKPOINT = (
@@ -310,9 +315,10 @@ _TO_CHECKPOINT = (
 
 
 def _rename(rest: str, pairs) -> str:
+    """``rest`` (a name inside one layer) with the first matching prefix of ``pairs`` replaced."""
     for old, new in pairs:
-        if rest.startswith(old) or f".{old}" in rest:
-            return rest.replace(old, new, 1)
+        if rest.startswith(old):
+            return new + rest[len(old) :]
     return rest
 
 
@@ -339,12 +345,8 @@ class EhMtpLayers(FcMtpLayers):
     def __init__(self, target, num_layers: int, *, place: bool = True):
         nn.Module.__init__(self)
         decoder = target.get_decoder()
-        config = copy.deepcopy(target.config.get_text_config(decoder=True))
-        self.first = config.num_hidden_layers  # the checkpoint index of MTP layer 0
-        config.num_hidden_layers = num_layers
-        config.layer_types = ["full_attention"] * num_layers  # MLA
-        config.mlp_layer_types = ["sparse"] * num_layers  # MoE, as vLLM builds it whatever the index
-        self.config = config
+        self.first = target.config.get_text_config(decoder=True).num_hidden_layers  # checkpoint index of MTP layer 0
+        self.config = config = self.layer_config(target, num_layers)
         hidden, eps = config.hidden_size, config.rms_norm_eps
         norm, layer_class = type(decoder.norm), type(decoder.layers[0])
         self.layers = nn.ModuleList()
@@ -357,6 +359,13 @@ class EhMtpLayers(FcMtpLayers):
         if place:
             self.place(target)
         self.tie(target)
+
+    @classmethod
+    def layer_config(cls, target, num_layers: int):
+        """Full attention (MLA) and MoE, as vLLM builds the layer whatever its index."""
+        config = super().layer_config(target, num_layers)
+        config.mlp_layer_types = ["sparse"] * num_layers
+        return config
 
     @classmethod
     def random(cls, target, num_layers: int, std: float = 0.3, seed: int = 0) -> EhMtpLayers:

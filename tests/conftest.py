@@ -17,6 +17,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import specfx
+from specfx.drafters.base import Drafter
 from specfx.testing.tiny import perturbed_copy, tiny_causal_lm
 
 ARCHS = ("llama", "qwen2", "gpt2")
@@ -190,3 +191,21 @@ def pair(arch: str, draft: str = "perturbed"):
             d = tiny_causal_lm(arch, num_layers=1, seed=7)
         _cache[key] = (target, d)
     return _cache[key]
+
+
+class WrongEveryThird(Drafter):
+    """Proposes each row's reference continuation (``table [B, C]``, slot == position), every
+    position divisible by 3 replaced by another token: rounds accept 0..2 proposals (the stateful
+    and compressed-KV targets' tests, whose rollback or windows only a rejecting round exercises)."""
+
+    name = "wrong_every_third"
+
+    def __init__(self, table: torch.Tensor, vocab: int):
+        self.table, self.vocab = table, vocab
+
+    def propose(self, ctx):
+        b = ctx.lengths.shape[0]  # the batch bucket: rows past the call's repeat the table's
+        pos = ctx.lengths.unsqueeze(1) + 1 + torch.arange(ctx.k)  # [B, K]
+        table = self.table[torch.arange(b) % self.table.shape[0]]
+        right = table.gather(1, pos.clamp(max=table.shape[1] - 1))
+        return torch.where(pos % 3 == 0, (right + 1) % self.vocab, right), None

@@ -241,6 +241,10 @@ class MTP(Drafter):
                 f"(transformers.modeling_layers.MtpModel); upgrade transformers",
             )
         if self.mtp is None:
+            config = model.config.get_text_config(decoder=True)
+            reason = getattr(ARCHITECTURES.get(getattr(config, "model_type", None)), "mtp_reason", "")
+            if reason:  # a type whose checkpoints ship MTP layers specfx has no layout for (DeepSeek-V4)
+                raise ValueError(f"draft='mtp' is refused on model type {config.model_type!r}: {reason}")
             if mtp_layer_count(model) == 0:
                 raise _no_mtp_error(model, "has no MTP layers (its config sets no num_mtp_layers)")
             why = _cannot_load_mtp(model)

@@ -65,6 +65,11 @@ def build_output_cache(
             f"or non-KV layers). Pass return_dict_in_generate=False, or run model.generate() to continue "
             f"from a cache."
         )
+    if any(getattr(layer, "compressed", None) for layer in cache.layers):
+        # a KV compressor's windows (decision 97): HF's cache layers keep running pooled entries, buffers and
+        # counts specfx does not hold; its own forward over the sequence builds them (prompts of equal length)
+        _forward_tail(model, dynamic, sequences, prompt_width - prompt_lengths, 0)
+        return dynamic
     slots = torch.arange(common, device=device).unsqueeze(0) - (prompt_width - prompt_lengths).unsqueeze(1)  # [B, L']
     for i, layer in enumerate(cache.layers):
         dynamic.update(_gather(layer.keys, slots), _gather(layer.values, slots), i)

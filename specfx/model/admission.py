@@ -21,7 +21,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from specfx.model.architectures import ARCHITECTURES
+from specfx.model.architectures import ARCHITECTURES, compressed_kv
 from specfx.model.hf_names import cache_kwarg
 from specfx.model.probe import (
     compare,
@@ -70,7 +70,8 @@ def check_causal_lm(model, role: str) -> None:
     declared = ARCHITECTURES.get(getattr(config, "model_type", None))
     if declared is not None and declared.status == "unsupported":
         raise ValueError(f"{role} ({name}) is not supported by specfx: {declared.reason}.")
-    if keeps_state(model) or (declared is not None and declared.stateful and declared.status == "refused"):
+    kept = keeps_state(model) and not compressed_kv(getattr(config, "model_type", None))  # decision 97
+    if kept or (declared is not None and declared.stateful and declared.status == "refused"):
         why = state_refusal(model, role)
         if why is not None:
             raise ValueError(why)
@@ -268,6 +269,13 @@ def tree_refusal(runner) -> str | None:
             f"{runner.role} ({type(runner.model).__name__}) keeps recurrent or linear-attention state, which "
             f"specfx rolls back along a chain only (a token tree would need one state per branch); use a "
             f"chain (num_speculative_tokens=K, no tree=)."
+        )
+    if any(getattr(runner, "compress_rates", ())):  # decision 97 (the tree probe fails on it too)
+        return (
+            f"{runner.role} ({type(runner.model).__name__}) pools windows of consecutive KV slots into compressed "
+            f"entries (DeepSeek-V4's compressors), and a token tree's nodes sit in slots that are not their "
+            f"positions, so a window would pool tokens of different branches; use a chain "
+            f"(num_speculative_tokens=K, no tree=)."
         )
     if runner.tree_failure is None:
         runner.tree_failure = _probe_tree(runner) or ""

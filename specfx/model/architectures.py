@@ -43,15 +43,19 @@ from dataclasses import dataclass, field
 import torch
 
 from specfx.model.probe import decodes_incrementally
+from specfx.model.tiny_rows import STATE_TINY as _STATE_TINY
+from specfx.model.tiny_rows import V4_TINY as _V4_TINY
 
 __all__ = [
     "ARCHITECTURES",
     "ArchSpec",
+    "compressed_kv",
     "COMPILED_SUBSET",
     "REPRESENTATIVE",
     "decodes_incrementally",
     "inductor_miscompiles",
     "installed",
+    "min_queries",
     "supported",
 ]
 
@@ -82,6 +86,14 @@ class ArchSpec:
     inductor_torch: str = ""  # the oldest torch whose Inductor compiles this type's round correctly ("": any)
     mtp_layout: str = ""  # "qwen3_next": MTP layers specfx builds from the checkpoint's mtp.* tensors ("": none)
     mtp_reason: str = ""  # why draft="mtp" is refused on this stateful type ("": the generic reason)
+    # Decision 97 (DeepSeek-V4): ``compressed_kv``: what HF marks as state (``_is_stateful``) is a KV
+    # compressor's running windows, which specfx keeps as per-token values at slots (nothing to roll back);
+    # ``min_queries``: every forward gets at least this many queries (a padding query added before a shorter
+    # one: at a single query HF's heavily-compressed layers show every pooled window, built for a cache that
+    # holds complete windows only); ``padding_reason``: why rows of unequal prompt lengths are refused
+    compressed_kv: bool = False
+    min_queries: int = 1
+    padding_reason: str = ""
 
 
 def _s(features: str = "", **overrides) -> ArchSpec:
@@ -131,62 +143,6 @@ def _r_state(reason: str, **overrides) -> ArchSpec:
     refused up front at ``speculate()`` with ``reason`` (decision 79)."""
     return ArchSpec("refused", reason=reason, overrides=overrides, stateful=True)
 
-
-# Tiny configs of the state rows: one layer of each kind (a 2-layer config of a default pattern may be all
-# linear attention), heads consistent with the small hidden size, SSD sizes small (the torch SSD path is slow)
-_GDN = dict(
-    layer_types=["linear_attention", "full_attention"],
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-)
-_KDA = dict(
-    layer_types=["linear_attention", "full_attention"],
-    mlp_layer_types=["dense", "sparse"],
-    linear_num_heads=4,
-    linear_head_dim=16,
-    n_group=1,
-    topk_group=1,
-    num_experts=4,
-    num_experts_per_tok=2,
-    num_key_value_heads=4,
-)
-_SSD = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16)
-_STATE_TINY = {
-    **dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"), _GDN),
-    "mamba2": dict(num_heads=8, head_dim=16, state_size=16, n_groups=1),
-    "kimi_linear": _KDA,
-    "bailing_hybrid": dict(_KDA, first_k_dense_replace=1),
-    "bamba": dict(_SSD, attn_layer_indices=[1]),
-    "granitemoehybrid": dict(_SSD, layer_types=["mamba", "attention"]),
-    "falcon_h1": dict(_SSD, mamba_d_ssm=128),
-    "lfm3": dict(layer_types=["conv", "full_attention"]),
-    **dict.fromkeys(("mamba", "falcon_mamba"), dict(hidden_size=32, state_size=4)),
-    "jamba": dict(
-        attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, mamba_d_state=16
-    ),
-    "zamba": dict(
-        num_hidden_layers=3,
-        layers_block_type=["linear_attention", "hybrid", "hybrid"],
-        attn_layer_period=2,
-        attn_layer_offset=1,
-        attention_head_dim=32,
-        n_mamba_heads=2,
-    ),
-    "nemotron_h": dict(mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=1),
-    "zamba2": dict(
-        layers_block_type=["linear_attention", "hybrid"],
-        hybrid_layer_ids=[1],
-        mamba_headdim=16,
-        n_mamba_heads=8,
-        attention_head_dim=32,
-        mamba_d_state=16,
-    ),
-    "qwen4_exp_text": dict(
-        _GDN, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=16, indexer_compress_ratio=4
-    ),
-}
 
 # Multi-token forward unlike the single-token decoding: the probe finds it, the mixers verify by steps (90)
 _MAMBA1 = (
@@ -338,9 +294,25 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         "rolled back as Qwen3-Next's)",
         **_STATE_TINY["qwen4_exp_text"],
     ),
-    "deepseek_v4": _r_state(
-        "compressed-KV attention layers with a cache layer of their own (DeepseekV4HCACache, compressing KV as "
-        "tokens arrive), which specfx's slot cache does not model (no recurrent state: nothing to roll back)"
+    # compressed-KV attention (decision 97): windows of per-token projections pooled into KV entries; their
+    # projections kept at slots like KV and pooled again on every forward
+    "deepseek_v4": ArchSpec(
+        "supported",
+        "compressed sparse and heavily compressed attention (windows of per-token projections pooled into KV "
+        "entries, an indexer's top-k over them), sliding attention with sinks, hyper-connections, hash routing",
+        overrides=_V4_TINY,
+        compressed_kv=True,
+        min_queries=2,
+        mtp_reason=(
+            "transformers ignores its checkpoints' mtp.* tensors (config.num_nextn_predict_layers) and specfx has no "
+            "layout for them yet (a V4 MTP block is a V4 decoder block, hyper-connections and compressed attention "
+            "included); use prompt lookup, early exit or a draft model"
+        ),
+        padding_reason=(
+            "its compressor pools windows of cache positions, which on a left-padded row include the padding, "
+            "so HF's own generate() output for a padded row differs from the same prompt alone (specfx would "
+            "generate the latter); pass prompts of equal length, or one at a time"
+        ),
     ),
     "minimax": _r_state("lightning-attention (linear-attention) state kept in its own MiniMaxCache, " + _OUTSIDE),
     "recurrent_gemma": _r_state("RG-LRU recurrent state held inside its modules, not in a cache: " + _OUTSIDE),
@@ -410,6 +382,18 @@ def inductor_miscompiles(model_type: str | None) -> str:
     return oldest if oldest and torch.__version__ < oldest else ""
 
 
+def compressed_kv(model_type: str | None) -> bool:
+    """Whether ``model_type``'s state, as HF marks it (``_is_stateful``), is a KV compressor's windows that
+    specfx keeps at slots (``ArchSpec.compressed_kv`` on a supported row, decision 97): not state to roll back."""
+    spec = ARCHITECTURES.get(model_type)
+    return spec is not None and spec.compressed_kv and spec.status == "supported"
+
+
+def min_queries(model_type: str | None) -> int:
+    """The fewest queries a forward of ``model_type`` may have (``ArchSpec.min_queries``, decision 97)."""
+    return getattr(ARCHITECTURES.get(model_type), "min_queries", 1)
+
+
 def installed(name: str) -> bool:
     """Whether the installed transformers ships model type ``name`` (the table also lists types
     of newer releases than the declared minimum)."""
@@ -429,6 +413,7 @@ def supported(decodes_incrementally_by_type: Callable[[str], bool]) -> list[str]
         for name, spec in ARCHITECTURES.items()
         if spec.status == "supported"
         and not spec.stateful
+        and not spec.compressed_kv
         and installed(name)
         and (not spec.if_causal or decodes_incrementally_by_type(name))
     ]

@@ -36,6 +36,10 @@ class SlotLayer(CacheLayerMixin):
         super().__init__()
         self._owner = weakref.ref(owner)  # the cache holds its layers (decision 93)
         self.indexer_keys: torch.Tensor | None = None  # a DSA indexer's keys, if the model has one
+        # a KV compressor's per-token projections by name (DeepSeek-V4: "compressor", "indexer"):
+        # (kv, gate) buffers [B, C', D] at slots, C' the capacity cut to whole windows (decision 97)
+        self.compressed: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.compress_rate: int | None = None  # the layer's window, set by the cache from the config
 
     @property
     def owner(self) -> SlotCache:
@@ -82,6 +86,39 @@ class SlotLayer(CacheLayerMixin):
         self.indexer_keys[rows, owner.slots] = indexer_key_states.to(self.indexer_keys.dtype)
         return self.indexer_keys if row is None else self.indexer_keys[row : row + 1]
 
+    # --- a KV compressor's cache API (DeepSeek-V4's DeepseekV4HCACache / DeepseekV4CSACache; decision 97)
+    def store_compression_weights(self, name: str, kv: torch.Tensor, gate: torch.Tensor):
+        """The compressor's per-token projections ``kv, gate [B, T, D]`` written at the tokens'
+        slots; returns every whole window of the buffers, from slot 0: ``(kv [B, C', D], gate,
+        0)``. The compressor then pools every window on each forward; which pooled entries a query
+        sees is decided from its position (HF's own rule: window w once the query is at or past its
+        last token), so a window holding rejected or unwritten slots is never seen."""
+        owner = self.owner
+        rows, row = owner.rows, owner.row
+        if name not in self.compressed:
+            if not self.compress_rate:
+                raise ValueError(f"a cache layer's compressor {name!r} runs, but the config declares no window for it")
+            pair = tuple(t.new_zeros((rows.shape[0], owner.capacity, t.shape[-1])) for t in (kv, gate))  # [B, C, D]
+            mark_static(*pair)
+            self.compressed[name] = pair
+        if row is not None:
+            rows = rows[row : row + 1]
+        usable = owner.capacity // self.compress_rate * self.compress_rate
+        out = []
+        for buf, new in zip(self.compressed[name], (kv, gate), strict=True):
+            buf[rows, owner.slots] = new.to(buf.dtype)
+            out.append((buf if row is None else buf[row : row + 1])[:, :usable])
+        return out[0], out[1], 0
+
+    def update_overlap_state(self, name: str, chunk_kv, chunk_gate, head_dim: int):
+        """No earlier window to carry: :meth:`store_compression_weights` returns every window from
+        slot 0, whose first has none (as in HF's first forward)."""
+        return None, None
+
+    def update_compressor_states(self, name: str, compressed: torch.Tensor) -> torch.Tensor:
+        """The pooled entries of every window, as the compressor computed them this forward."""
+        return compressed
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.owner.capacity, 0
 
@@ -105,9 +142,11 @@ class SlotCache(Cache):
             rowwise protocol for models that need a 2-D mask; None/unused otherwise).
     """
 
-    def __init__(self, num_layers: int, batch_size: int, capacity: int, device: torch.device):
+    def __init__(self, num_layers: int, batch_size: int, capacity: int, device: torch.device, compress_rates=()):
         self.capacity = capacity
         super().__init__(layers=[SlotLayer(self) for _ in range(num_layers)])
+        for layer, rate in zip(self.layers, compress_rates, strict=False):
+            layer.compress_rate = rate  # a KV compressor's window per layer (DeepSeek-V4), None elsewhere
         self.rows = torch.arange(batch_size, device=device).unsqueeze(1)
         self.slots = torch.zeros((batch_size, 1), dtype=torch.long, device=device)
         self.row: int | None = None  # set: forwards see only this row (rowwise protocol)
@@ -127,6 +166,8 @@ class SlotCache(Cache):
                 buf[self.rows, :, dst] = buf[self.rows, :, src]
             if layer.indexer_keys is not None:
                 layer.indexer_keys[self.rows, dst] = layer.indexer_keys[self.rows, src]
+            for buf in (t for pair in layer.compressed.values() for t in pair):
+                buf[self.rows, dst] = buf[self.rows, src]
 
     @property
     def trash_slot(self) -> int:
@@ -142,7 +183,10 @@ class SlotCache(Cache):
     def nbytes(self) -> int:
         """Bytes of every buffer: KV, and the conv and recurrent states of layers keeping state."""
         kv = sum(
-            layer.keys.nbytes + layer.values.nbytes + getattr(layer.indexer_keys, "nbytes", 0)
+            layer.keys.nbytes
+            + layer.values.nbytes
+            + getattr(layer.indexer_keys, "nbytes", 0)
+            + sum(t.nbytes for pair in layer.compressed.values() for t in pair)
             for layer in self.kv_layers
         )
         states = (

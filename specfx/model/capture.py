@@ -121,7 +121,8 @@ class CapturedForward:
     ):
         self.gm = gm
         # per placeholder: a call input by name ("ids", "positions", "slots"; with a tree also
-        # "lengths", "depth", "ancestors") | ("kv", layer, "keys" | "values"), ("state", layer,
+        # "lengths", "depth", "ancestors") | ("kv", layer, "keys" | "values" | "indexer_keys"), ("kv", layer,
+        # "compressed", name, 0 | 1) (a compressor's per-token kv | gate, decision 97), ("state", layer,
         # "conv_states" | "recurrent_states", index) or ("cache", None, attribute): a tensor of the
         # runner's *current* cache | a bound target tensor (a parameter)
         self.inputs = inputs
@@ -139,9 +140,10 @@ class CapturedForward:
             return given[x]
         if isinstance(x, tuple):  # cache tensors are looked up at call time: the graph survives reallocation
             kind, layer, name, *idx = x
-            if kind == "state":  # a stateful layer's conv or recurrent state (its dict, then the state index)
-                return getattr(cache.layers[layer], name)[idx[0]]
-            return getattr(cache.layers[layer] if kind == "kv" else cache, name)
+            value = getattr(cache.layers[layer] if kind in ("kv", "state") else cache, name)
+            for i in idx:  # a stateful layer's conv or recurrent state (its dict, then the state index); a
+                value = value[i]  # compressor's per-token projections (its dict, then kv or gate: decision 97)
+            return value
         return x
 
     @property
@@ -277,6 +279,8 @@ def capture_forward(
             dynamic.update({id(layer.keys): ("kv", i, "keys"), id(layer.values): ("kv", i, "values")})
             if getattr(layer, "indexer_keys", None) is not None:  # a DSA indexer's keys (decision 94)
                 dynamic[id(layer.indexer_keys)] = ("kv", i, "indexer_keys")
+            for key, pair in getattr(layer, "compressed", {}).items():  # a KV compressor's projections (decision 97)
+                dynamic.update({id(t): ("kv", i, "compressed", key, j) for j, t in enumerate(pair)})
         for name in ("conv_states", "recurrent_states"):  # a stateful layer's buffers, by role too
             for idx, t in (getattr(layer, name, None) or {}).items():
                 if isinstance(t, torch.Tensor):

@@ -51,6 +51,10 @@ ATTENTION_LAYER_TYPES = {
     # named deepseek_sparse_attention in transformers 5.17, indexed_attention in 5.24 and 5.25
     "deepseek_sparse_attention": ("full", None),
     "indexed_attention": ("full", None),
+    # DeepSeek-V4 (decision 97): a sliding window over the tokens' own KV in every layer; the pooled windows
+    # the compressor appends to the keys come with the bias the compressor builds for them
+    "compressed_sparse_attention": ("sliding", "sliding_window"),
+    "heavily_compressed_attention": ("sliding", "sliding_window"),
 }
 
 # A layer pattern: ("full", None) | ("sliding", W) | ("chunked", S)

@@ -22,6 +22,7 @@ from specfx.model.admission import (
     taps_refusal,
     tree_refusal,
 )
+from specfx.model.architectures import compressed_kv, min_queries
 from specfx.model.cache import SlotCache
 from specfx.model.hf_names import cache_kwarg
 from specfx.model.masks import TreeView, check_attn_implementation, mask_plan
@@ -76,7 +77,9 @@ class ModelRunner:
         check_weights_loaded(model, role)
         self.mask_format = check_attn_implementation(model)
         config = model.config.get_text_config()
-        self.mask_plan = mask_plan(config, type(model).__name__, stateful=keeps_state(model))
+        # state as HF marks it, less a KV compressor's windows kept at slots (decision 97)
+        stateful = keeps_state(model) and not compressed_kv(getattr(config, "model_type", None))
+        self.mask_plan = mask_plan(config, type(model).__name__, stateful=stateful)
         self.model = model
         self.role = role
         self.num_layers = config.num_hidden_layers
@@ -99,7 +102,13 @@ class ModelRunner:
         self.taps = TapCaptures(self)  # the captured tapped forwards (forward(..., taps=...))
         # recurrent / linear-attention state (decision 76): static per-row buffers, a snapshot
         # taken before each verify forward and the mixers' single steps that roll it back
-        self.stateful = keeps_state(model)
+        self.stateful = stateful
+        # a KV compressor's window per cache layer (DeepSeek-V4's config.compress_rates by layer type), and the
+        # fewest queries a forward may have (ArchSpec.min_queries; decision 97)
+        rates = getattr(config, "compress_rates", None)
+        types = getattr(config, "layer_types", None) or ()
+        self.compress_rates = [rates.get(t) for t in types] if isinstance(rates, dict) else []
+        self.min_queries = min_queries(getattr(config, "model_type", None))
         self.state_snapshot: StateSnapshot | None = None
         self.mixer_taps: MixerTaps | None = None
         # the mixers verify by their single-token path (decision 90): set by the probe, which tries
@@ -142,7 +151,7 @@ class ModelRunner:
         if self.stateful:
             self.cache = slot_cache_with_state(self.model.config, batch_size, capacity, self.device)
         else:
-            self.cache = SlotCache(self.cache_layers, batch_size, capacity, self.device)
+            self.cache = SlotCache(self.cache_layers, batch_size, capacity, self.device, self.compress_rates)
         zeros = torch.zeros((batch_size, 1), dtype=torch.long, device=self.device)
         trash = torch.full_like(zeros, self.cache.trash_slot)
         with torch.no_grad():
@@ -248,7 +257,13 @@ class ModelRunner:
         Positions are clamped to the model's range: only uncommitted padding ever exceeds it,
         and an out-of-range learned position embedding would fault inside a kernel.
         """
+        pad = self.min_queries - ids.shape[1] if tree is None else 0
+        if pad > 0:  # padding queries first: position 0, the trash slot, seen by nothing real (decision 97)
+            ids, positions = (torch.cat([x[:, :1].expand(-1, pad) * 0, x], dim=1) for x in (ids, positions))
+            slots = torch.cat([torch.full_like(slots[:, :1], self.cache.trash_slot).expand(-1, pad), slots], dim=1)
         logits = self._forward(ids, positions, slots, tree, taps, last_only)
+        if pad > 0 and not last_only:
+            logits = (logits[0][:, pad:], tuple(f[:, pad:] for f in logits[1])) if taps else logits[:, pad:]
         if not last_only:
             return logits
         if taps:
@@ -297,6 +312,8 @@ class ModelRunner:
         """Capture the tapped forward of this shape now, eagerly, unless it is captured already
         (:meth:`specfx.model.taps.TapCaptures.prepare`; ``record``: the verify forward of
         :meth:`verify_recording`)."""
+        if tree is None:
+            tokens = max(tokens, self.min_queries)  # forward() pads shorter ones (decision 97)
         self.taps.prepare(batch_size, tokens, taps, tree, record)
 
     def _call(self, ids, mask, positions, **kwargs):

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, StoppingCriteriaList
 
+from specfx.model.architectures import ARCHITECTURES
 from specfx.request.criteria import stopping_criteria
 from specfx.request.inputs import check_ids, check_mask, infer_attention_mask
 from specfx.request.values import (
@@ -240,6 +241,7 @@ def resolve_generate_args(model, vocab_size: int, max_positions: int | None, inp
     if inferred:
         mask = infer_attention_mask(input_ids, pad, eos_all)
     prompt_lengths = check_mask(input_ids, mask, vocab_size, pad if inferred else None)
+    _check_padding(model, prompt_lengths)
     if gc.do_sample and (gc.num_return_sequences or 1) > 1:
         # HF's _expand_inputs_for_generation: each prompt num_return_sequences times in a row
         input_ids = input_ids.repeat_interleave(gc.num_return_sequences, dim=0)
@@ -275,6 +277,19 @@ def resolve_generate_args(model, vocab_size: int, max_positions: int | None, inp
         output_scores=bool(gc.output_scores),
         output_logits=bool(gc.output_logits),
     )
+
+
+def _check_padding(model, prompt_lengths: torch.Tensor) -> None:
+    """ValueError for a batch of prompts of unequal lengths to a target whose type declares HF's own
+    output for a left-padded row differs from the same prompt alone (``ArchSpec.padding_reason``,
+    decision 97): specfx would generate the prompt's own continuation, HF something else."""
+    model_type = getattr(model.config, "model_type", None)
+    reason = getattr(ARCHITECTURES.get(model_type), "padding_reason", "")
+    if reason and int(prompt_lengths.min()) != int(prompt_lengths.max()):
+        raise ValueError(
+            f"generate(): {type(model).__name__} cannot generate a batch of prompts of unequal lengths (left-padded: "
+            f"{sorted(set(prompt_lengths.tolist()))} tokens) exactly: {reason}."
+        )
 
 
 def _new_token_bounds(gc, seq_len, max_positions, has_default_max_length, has_default_min_length) -> tuple[int, int]:

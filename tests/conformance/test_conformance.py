@@ -233,7 +233,9 @@ _LATER = r"does not decode incrementally.*because its full forward attends to la
         ("roformer", {}, _GENERIC + "|" + _LATER),
         ("gpt_neo", ARCHITECTURES["gpt_neo"].overrides, _GENERIC),
         ("moshi", {}, _GENERIC),
-        ("hrm_text", {}, _GENERIC),
+        # its first half's logits move with later tokens by a few 1e-4 of their scale, near the tolerance: whether the probe's
+        # half-length forward shows it depends on the CPU's summation order, so either message is its cause
+        ("hrm_text", {}, _GENERIC + "|" + _LATER),
     ],
 )
 def test_incremental_probe_refuses(arch, overrides, match):

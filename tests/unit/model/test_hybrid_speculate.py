@@ -18,10 +18,9 @@ import torch
 import transformers
 
 import specfx
-from specfx.drafters.base import Drafter
 from specfx.model.architectures import ARCHITECTURES, installed
 from specfx.testing.tiny import STATEFUL_TINY, tiny_causal_lm
-from tests.conftest import left_padded, prompt
+from tests.conftest import WrongEveryThird, left_padded, prompt
 
 # Every state row of the architecture table (its tiny config from the row) and LFM2's hybrid configs
 TINY = STATEFUL_TINY
@@ -57,23 +56,6 @@ def _model(arch):
 @pytest.fixture(scope="module", params=[_param(name) for name in sorted(TINY)])
 def model(request):
     return _model(request.param)
-
-
-class WrongEveryThird(Drafter):
-    """Proposes each row's reference continuation (``table [B, C]``, slot == position), every
-    position divisible by 3 replaced by another token: rounds accept 0..2 proposals."""
-
-    name = "wrong_every_third"
-
-    def __init__(self, table: torch.Tensor, vocab: int):
-        self.table, self.vocab = table, vocab
-
-    def propose(self, ctx):
-        b = ctx.lengths.shape[0]
-        pos = ctx.lengths.unsqueeze(1) + 1 + torch.arange(ctx.k)  # [B, K]
-        table = self.table[torch.arange(b) % self.table.shape[0]]
-        right = table.gather(1, pos.clamp(max=table.shape[1] - 1))
-        return torch.where(pos % 3 == 0, (right + 1) % self.vocab, right), None
 
 
 def _table(ref: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -284,3 +284,34 @@ def test_a_stage_is_reported_under_its_name_and_may_let_its_own_error_through():
         capture_transform("the_cut", cut, raises=(CutError,), where=-1)(gm)
     with pytest.raises(ValueError, match="live= only with the default pipeline"):
         run_passes(gm, [Stage("the_cut", lambda g: 0)], live=LiveKV(8, 4))
+
+
+def _kv_graph(grown: str) -> fx.GraphModule:
+    """A forward writing new keys into a static buffer in place, then concatenating the buffer with
+    other entries: ``grown`` says where the concatenation goes."""
+    import operator
+
+    g = fx.Graph()
+    keys, new, slots, extra, q = (g.placeholder(n) for n in ("keys", "new", "slots", "extra", "q"))
+    g.call_function(operator.setitem, (keys, (slice(None), slots), new))
+    full = g.call_function(torch.cat, ([keys, extra],), {"dim": 1})
+    scores = g.call_function(torch.matmul, (q, g.call_method("transpose", (full, 1, 2))))
+    if grown == "returned":
+        g.output((scores, g.call_method("view", (full, -1))))
+    else:
+        if grown == "copied":
+            g.call_method("copy_", (keys, full))
+        g.output(scores)
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def test_static_kv_check_refuses_a_grown_cache_only():
+    """A buffer concatenated into what the graph returns, or copied back, is a cache grown instead of
+    written (refused); one read into a larger tensor that only attention consumes is not
+    (DeepSeek-V4's pooled window entries, decision 97)."""
+    from specfx.passes import StaticKVError, check_static_kv
+
+    assert check_static_kv(_kv_graph("attention only")) == 1
+    for grown in ("returned", "copied"):
+        with pytest.raises(StaticKVError, match="concatenates static KV buffer"):
+            check_static_kv(_kv_graph(grown))

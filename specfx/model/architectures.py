@@ -18,9 +18,11 @@ decoding against its full forward), never off a version number; :func:`supported
 row out where its predicate says it is not, and ``speculate()`` refuses the model there (the incremental-decoding
 probe).
 
-The engine reads one declaration from here, for failures nothing in the config or graph
-reveals: the ``unsupported`` status (``speculate()`` refuses such a model with the recorded
-reason rather than risk wrong tokens).
+The engine reads declarations from here for what nothing in the config or graph reveals: the
+``unsupported`` and ``refused`` statuses (``speculate()`` refuses such a model with the recorded
+reason rather than risk wrong tokens), and the per-type facts of the rows that need them (MTP
+layouts and reasons, the torch whose Inductor compiles a type, DeepSeek-V4's compressed KV,
+fewest queries per forward and padding refusal: decision 97).
 
 Statuses:
     supported   greedy output equals ``model.generate()`` (fp32, batch 1 and a left-padded
@@ -75,7 +77,10 @@ class ArchSpec:
     ``mtp_layout``: the layout of the MTP layers the type's checkpoints ship and transformers drops, which
     specfx builds itself (:mod:`specfx.drafters.mtp_fc`; decision 86): ``draft="mtp"`` runs on such a type,
     stateful or not, since the layout's layers keep attention KV only. ``mtp_reason``: why
-    ``draft="mtp"`` is refused on a stateful type whose checkpoints ship MTP layers (decision 86)."""
+    ``draft="mtp"`` is refused on a type whose checkpoints ship MTP layers specfx cannot run (decision 86;
+    DeepSeek-V4's, 97). ``compressed_kv``, ``min_queries``, ``padding_reason``: decision 97, below; a
+    ``compressed_kv`` row is left out of :func:`supported`'s generic matrix too (its left-padded batches
+    are refused), ``tests/unit/model/test_compressed_kv.py`` checks it."""
 
     status: str
     features: str = ""

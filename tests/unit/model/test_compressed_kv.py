@@ -57,7 +57,7 @@ def _check(ids, new, backend=None, spec=None):
 
 @pytest.mark.parametrize(
     "ids",
-    [prompt(9, seed=1), prompt(11, batch=3, seed=2), prompt(1, seed=3)],
+    [prompt(9, seed=1), pytest.param(prompt(11, batch=3, seed=2), marks=pytest.mark.full), prompt(1, seed=3)],
     ids=["batch_1", "equal_length_batch", "one_token_prompt"],
 )
 @torch.no_grad()
@@ -66,6 +66,7 @@ def test_greedy_equals_generate_with_rejecting_rounds(ids, one_thread):
     _check(ids, 40)
 
 
+@pytest.mark.full  # the default tier: batch 1, the refusals, the compiled round
 @torch.no_grad()
 def test_draft_model_auto_k_and_the_model_as_a_draft(one_thread):
     """A perturbed copy drafting (every draft step a one-token forward of a V4 model), "auto" K (rounds
@@ -110,7 +111,9 @@ def test_left_padded_batches_are_refused_because_hf_generates_otherwise(one_thre
     ("draft", "options", "match"),
     [
         ("prompt_lookup", dict(tree=[(0,), (1,), (0, 0)]), r"pools windows of consecutive KV slots .* chain"),
-        ("eagle3", {}, r"hidden state 'layer:0' is \[1, \d+, 2, 64\].*hyper-connections"),
+        pytest.param(
+            "eagle3", {}, r"hidden state 'layer:0' is \[1, \d+, 2, 64\].*hyper-connections", marks=pytest.mark.full
+        ),
         ("mtp", {}, r"refused on model type 'deepseek_v4': transformers ignores its checkpoints' mtp"),
     ],
 )
@@ -130,6 +133,7 @@ def test_what_cannot_run_exactly_is_refused_with_its_cause(draft, options, match
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 
+@pytest.mark.full  # the default tier: batch 1, the refusals, the compiled round
 @torch.no_grad()
 def test_the_returned_cache_continues_as_hfs(one_thread):
     """``return_dict_in_generate``: the cache HF's own forward builds over the sequence (its compressor
@@ -146,6 +150,7 @@ def test_the_returned_cache_continues_as_hfs(one_thread):
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.full  # the default tier: batch 1, the refusals, the compiled round
 @torch.no_grad()
 def test_sampling_runs_and_the_users_model_is_unchanged(one_thread):
     model = _model()
@@ -191,6 +196,7 @@ def test_inductor_round_is_one_graph_and_equals_generate(one_thread):
     _compiled("specfx")
 
 
+@pytest.mark.full  # the default tier: batch 1, the refusals, the compiled round
 @torch.no_grad()
 def test_early_exit_across_reallocations(one_thread):
     """Early exit drafts with a capture of the target's first layer, hyper-connection head, norm and LM

@@ -177,13 +177,6 @@ def hidden_taps(gm: fx.GraphModule, *, layer_names: list[str], taps) -> int:
         if tap not in found:
             found[tap] = leaving_last if tap == LAST else final() if tap == FINAL else entering(int(tap[len(LAYER) :]))
     for tap, node in found.items():
-        value = node.meta.get("example_value")
-        if tap != FINAL and getattr(value, "dim", lambda: 3)() != 3:  # one hidden state per token: [B, T, H]
-            raise HiddenTapsError(
-                f"the hidden state {tap!r} is {list(value.shape)}, not [batch, tokens, hidden]: the decoder layers "
-                f"carry several residual streams per token (DeepSeek-V4's hyper-connections), which a head trained "
-                f"on one hidden state per token cannot read"
-            )
         if _mutated(node):  # its value at the end of the graph would not be the one tapped
             with graph.inserting_after(node):
                 found[tap] = graph.call_method("clone", (node,))

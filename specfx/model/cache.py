@@ -37,7 +37,7 @@ class SlotLayer(CacheLayerMixin):
         self._owner = weakref.ref(owner)  # the cache holds its layers (decision 93)
         self.indexer_keys: torch.Tensor | None = None  # a DSA indexer's keys, if the model has one
         # a KV compressor's per-token projections by name (DeepSeek-V4: "compressor", "indexer"):
-        # (kv, gate) buffers [B, C', D] at slots, C' the capacity cut to whole windows (decision 97)
+        # (kv, gate) buffers [B, C, D] at slots, returned cut to whole windows of compress_rate (decision 97)
         self.compressed: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.compress_rate: int | None = None  # the layer's window, set by the cache from the config
 

@@ -259,7 +259,7 @@ class ModelRunner:
         """
         pad = self.min_queries - ids.shape[1] if tree is None else 0
         if pad > 0:  # padding queries first: position 0, the trash slot, seen by nothing real (decision 97)
-            ids, positions = (torch.cat([x[:, :1].expand(-1, pad) * 0, x], dim=1) for x in (ids, positions))
+            ids, positions = (torch.cat([torch.zeros_like(x[:, :1]).expand(-1, pad), x], dim=1) for x in (ids, positions))
             slots = torch.cat([torch.full_like(slots[:, :1], self.cache.trash_slot).expand(-1, pad), slots], dim=1)
         logits = self._forward(ids, positions, slots, tree, taps, last_only)
         if pad > 0 and not last_only:

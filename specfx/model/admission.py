@@ -317,3 +317,28 @@ def taps_refusal(runner) -> str | None:
             f"read the target's hidden states (MTP, Medusa, EAGLE) cannot serve it."
         )
     return None
+
+
+def hc_streams(model) -> int:
+    """How many hyper-connection streams ``model``'s decoder layers carry (``config.hc_mult``; 1: none)."""
+    return getattr(model.config.get_text_config(), "hc_mult", None) or 1
+
+
+def streams_refusal(runner, taps) -> str | None:
+    """Why a head reading one ``[B, T, H]`` state per token (EAGLE-3, DFlash) cannot read the hidden
+    states ``taps`` of this model, or None if it can: between its decoder layers a model with
+    hyper-connections (``hc_mult`` streams: DeepSeek-V4, HY-V4) carries ``[B, T, hc_mult, H]``; only
+    ``"final"`` (after the model's own stream mixing and final norm) is one state per token. (DeepSeek-V4's
+    own MTP layers read the streams by design: :mod:`specfx.drafters.mtp_v4`.)"""
+    streams = hc_streams(runner.model)
+    inner = [t for t in dict.fromkeys(taps) if t != "final"]
+    if streams <= 1 or not inner:
+        return None
+    return (
+        f"{runner.role} ({type(runner.model).__name__}) carries {streams} hyper-connection streams between its "
+        f"decoder layers (config.hc_mult): its hidden states at {', '.join(map(repr, inner))} are [batch, tokens, "
+        f"{streams}, hidden], not one hidden state per token, so a drafter reading them (EAGLE-3, DFlash) has no "
+        f"defined input there and none is trained for it; Medusa heads (reading the final hidden state), the "
+        f"model's own MTP layers where it ships them (draft='mtp'), prompt lookup, early exit or a draft model can "
+        f"serve it."
+    )

@@ -59,6 +59,7 @@ from specfx.drafters.heads.dflash_head import (
     serving_gaps,
 )
 from specfx.drafters.heads.eagle_checkpoint import rope_keys
+from specfx.model.admission import streams_refusal
 from specfx.model.cache import SlotCache
 from specfx.model.runner import ModelRunner
 
@@ -237,6 +238,9 @@ class DFlash(Drafter):
                 f"{layers} (0..{layers - 1}); use the draft trained for this target."
             )
         taps = ["final" if i == layers - 1 else f"layer:{i + 1}" for i in ids]  # outputs of layer i
+        why = streams_refusal(target, taps)
+        if why is not None:
+            raise ValueError(why)
         self.taps = tuple(dict.fromkeys(taps))  # the target returns each tapped state once
         self.tap_order = [self.taps.index(t) for t in taps]
         self.layer_ids = list(ids)

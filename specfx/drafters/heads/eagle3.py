@@ -50,6 +50,7 @@ from specfx.drafters.heads.eagle3_checkpoint import engine_gaps, explicit_ids, l
 from specfx.drafters.heads.eagle3_head import KIND, Eagle3Head
 from specfx.drafters.heads.eagle_base import EagleBase
 from specfx.drafters.heads.eagle_checkpoint import rope_keys
+from specfx.model.admission import streams_refusal
 from specfx.model.runner import ModelRunner
 
 # Eagle3Head and resolve_taps are re-exported: their home was this module
@@ -240,6 +241,9 @@ class Eagle3(EagleBase):
                 f"{owner}: its fc takes {head.num_taps} target hidden states but its config names {len(taps)} layers "
                 f"(eagle_aux_hidden_state_layer_ids); the checkpoint is inconsistent."
             )
+        why = streams_refusal(target, taps)
+        if why is not None:
+            raise ValueError(why)
         self.taps = tuple(dict.fromkeys(taps))  # the target returns each tapped state once
         self.tap_order = [self.taps.index(t) for t in taps]
         self.layer_ids = [target.num_layers if t == "last" else int(t[6:]) for t in taps]

@@ -14,6 +14,7 @@ import copy
 
 from torch import nn
 
+from specfx.model.admission import hc_streams
 from specfx.model.capture import decoder_layer_names
 from specfx.model.masks import layer_pattern, mask_plan, state_only_layer_types
 from specfx.model.recurrent import state_layer_types
@@ -123,6 +124,14 @@ def _head_layer(cls, config, model, owner: str) -> nn.Module:
 def decoder_layer(model, overrides: dict, owner: str) -> tuple[nn.Module, object]:
     """A fresh layer 0 of ``model``'s own decoder-layer class, built with its config (sizes
     overridden by ``overrides``), without its input norm. Returns ``(layer, config)``."""
+    streams = hc_streams(model)
+    if streams > 1:
+        raise ValueError(
+            f"{owner}: the target's decoder layers ({type(_target_layer(model, owner)).__name__}) take {streams} "
+            f"hyper-connection streams ([batch, tokens, {streams}, hidden], config.hc_mult), and EAGLE-1's layer is "
+            f"the target's own layer class fed one hidden state per token: it cannot be built for this target. Use "
+            f"Medusa heads, prompt lookup, early exit or a draft model."
+        )
     config = copy.deepcopy(model.config.get_text_config())
     for key, value in overrides.items():
         setattr(config, key, value)

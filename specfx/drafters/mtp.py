@@ -40,7 +40,9 @@ import torch.nn.functional as F
 
 from specfx.drafters.base import TREE_DRAFTERS, Drafter
 from specfx.drafters.drafting import draft_chain, stash_at
-from specfx.drafters.mtp_fc import LAYOUTS, FcMtpLayers, checkpoint_files, fc_mtp_layer_count
+from specfx.drafters.mtp_fc import LAYOUTS as FC_LAYOUTS
+from specfx.drafters.mtp_fc import FcMtpLayers, checkpoint_files, fc_mtp_layer_count
+from specfx.drafters.mtp_v4 import V4MtpLayers
 from specfx.model.architectures import ARCHITECTURES
 from specfx.model.cache import SlotCache
 from specfx.model.dynamo import mark_static
@@ -48,7 +50,9 @@ from specfx.model.hf_names import cache_kwarg, mtp_weights_regex
 from specfx.model.masks import check_attn_implementation, layer_pattern, to_format, visible_slots
 from specfx.model.runner import ModelRunner
 
-__all__ = ["MTP", "has_mtp", "mtp_layer_count", "mtp_support", "random_mtp_layers", "save_with_mtp_layers"]
+__all__ = ["LAYOUTS", "MTP", "has_mtp", "mtp_layer_count", "mtp_support", "random_mtp_layers", "save_with_mtp_layers"]
+
+LAYOUTS = {**FC_LAYOUTS, "deepseek_v4": V4MtpLayers}  # ArchSpec.mtp_layout -> the class specfx builds
 
 
 def mtp_support():
@@ -63,7 +67,7 @@ def mtp_support():
 
 def mtp_layout(model) -> str:
     """The MTP layout specfx builds for ``model``'s type itself (``ArchSpec.mtp_layout``:
-    ``"qwen3_next"``, ``"bailing"``; its class: ``mtp_fc.LAYOUTS``), or "" where transformers'
+    ``"qwen3_next"``, ``"bailing"``, ``"deepseek_v4"``; its class: ``LAYOUTS``), or "" where transformers'
     ``MtpModel`` is the way (or none is)."""
     config = model.config.get_text_config(decoder=True)
     return getattr(ARCHITECTURES.get(getattr(config, "model_type", None)), "mtp_layout", "")
@@ -167,7 +171,7 @@ def _no_mtp_error(model, why: str) -> ValueError:
     return ValueError(
         f"draft='mtp': {type(model).__name__} {why}. MTP drafting needs a checkpoint that carries "
         f"multi-token-prediction layers (DeepSeek-V3, GLM-4-MoE, Mellum, ... with num_mtp_layers in "
-        f"their config; Qwen3-Next, Qwen3.5 with mtp_num_hidden_layers and mtp.* tensors; BailingHybrid), or "
+        f"their config; Qwen3-Next, Qwen3.5 with mtp_num_hidden_layers and mtp.* tensors; BailingHybrid; DeepSeek-V4), or "
         f"specfx.MTP(layers=...) with MTP layers built for this target. "
         f"Otherwise use draft='prompt_lookup', draft='early_exit:N' or a draft model."
     )
@@ -179,7 +183,7 @@ class MTP(Drafter):
     Args:
         layers: a ``transformers.modeling_layers.MtpModel`` built for this target (e.g.
             ``MtpModel(target, n)`` trained by you, or ``MtpModel.from_pretrained(target)``), or,
-            for a type whose table row names an MTP layout (Qwen3-Next, Qwen3.5, BailingHybrid), that
+            for a type whose table row names an MTP layout (Qwen3-Next, Qwen3.5, BailingHybrid, DeepSeek-V4), that
             layout's class in :mod:`specfx.drafters.mtp_fc` built for this target.
             None (default, and ``draft="mtp"``): loaded from the target's checkpoint at
             ``speculate()`` time, by ``MtpModel.from_pretrained`` or, for such a type, by
@@ -224,7 +228,7 @@ class MTP(Drafter):
             "transformers' MTP layers (MtpModel) are built from the target's own decoder-layer class, whose "
             "layers may keep state of their own that nothing rolls back, and no stateful type's MtpModel layers "
             "have been verified; specfx builds MTP layers keeping attention KV only for the types whose table row "
-            "names an MTP layout (Qwen3-Next, Qwen3.5, Qwen3.5-MoE, BailingHybrid: ArchSpec.mtp_layout)"
+            "names an MTP layout (Qwen3-Next, Qwen3.5, Qwen3.5-MoE, BailingHybrid, DeepSeek-V4: ArchSpec.mtp_layout)"
         )
 
     def bind(self, target: ModelRunner) -> None:
@@ -277,13 +281,17 @@ class MTP(Drafter):
                 "MTP(layers=...): these MTP layers were built for another model; they must share the "
                 "target's LM head, as MtpModel(target, n) and MtpModel.from_pretrained(target) make them."
             )
+        # the target's state a depth -1 reads: its last hidden state after the final norm, or the layout's own
+        # (DeepSeek-V4's: its last layer's hyper-connection streams)
+        self.taps = (getattr(self.mtp, "target_tap", "final"),)
         config = self.mtp.config
         self.layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * self.num_layers)
         owner = f"draft='mtp': {type(model).__name__}'s MTP layers"
         # per MTP layer: ("full", None) | ("sliding", W) | ("chunked", S)
         self.patterns = [layer_pattern(config, t, owner) for t in self.layer_types]
         self.mask_format = check_attn_implementation(self.mtp)
-        self.cache_kwarg = cache_kwarg(self.mtp.layers[0])  # "cache" from transformers 5.24 on
+        layer = self.mtp.layers[0]  # "cache" from transformers 5.24 on; V4's layer passes **kwargs to its attention
+        self.cache_kwarg = cache_kwarg(layer) or cache_kwarg(getattr(layer, "self_attn", layer))
         self.target = target
         self.vocab = target.vocab_size
 
@@ -307,7 +315,7 @@ class MTP(Drafter):
     def allocate(self, batch_size: int, capacity: int) -> None:
         device = self.target.device
         self.cache = SlotCache(self.num_layers, batch_size, capacity, device)
-        hidden = self.mtp.config.hidden_size
+        hidden = getattr(self.mtp, "hidden_width", self.mtp.config.hidden_size)  # what the depths exchange
         self.stash = torch.zeros((self.num_layers, batch_size, 1, hidden), dtype=self.target.dtype, device=device)
         # written in place every round, like the KV buffers (whose SlotLayers mark themselves)
         mark_static(self.stash)
@@ -358,7 +366,10 @@ class MTP(Drafter):
             out = mtp.shared_post_norm(out)
         return out
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _logits(self, hidden: torch.Tensor, i: int) -> torch.Tensor:
+        """The draft logits of MTP depth ``i``'s output ``hidden``."""
+        if isinstance(self.mtp, FcMtpLayers):
+            hidden = self.mtp.head_input(hidden, i)
         project = getattr(self.mtp, "_project_to_logits", None)  # muP scaling, vocab slicing as HF does
         logits = project(hidden) if project is not None else self.mtp.shared_head(hidden)
         if logits.shape[-1] < self.vocab:  # an unpadded vocabulary: padding ids are never drafted
@@ -376,6 +387,8 @@ class MTP(Drafter):
         q_slots = torch.where(slots == positions, q_pos, self.cache.trash_slot).clamp(max=capacity - 1)
         ids = ctx.tokens.gather(1, q_pos.clamp(max=capacity - 1))  # committed up to the pending token
         at_pending = q_pos == ctx.lengths.unsqueeze(1)  # [B, T], one True per row that advanced
+        if isinstance(self.mtp, FcMtpLayers):
+            hidden = self.mtp.target_hidden(hidden)
         h_in = hidden.to(self.stash.dtype)
         for i in range(self.num_layers):
             out = self._layer(i, ids, h_in, q_pos, q_slots)  # [B, T, H] at positions p + 1
@@ -399,9 +412,9 @@ class MTP(Drafter):
             else:  # past the MTP layers: chain the last one on its own output
                 pos = lengths + i  # [B, 1]
                 last = self._layer(m - 1, proposals[-1], last, pos, pos)
-            return self._logits(last)
+            return self._logits(last, min(i, m - 1))
 
-        return draft_chain(ctx, self._logits(self.stash[0]), step)  # proposal 0: layer 0 at L -> L + 1
+        return draft_chain(ctx, self._logits(self.stash[0], 0), step)  # proposal 0: layer 0 at L -> L + 1
 
     def chain_only_reason(self) -> str:
         return (

@@ -165,6 +165,14 @@ class FcMtpLayers(nn.Module):
         rope = self.rope(embeds, positions)
         return self.norm(self.layers[i](self.fc(x), position_embeddings=rope, position_ids=positions, **kwargs))
 
+    def head_input(self, hidden: torch.Tensor, i: int) -> torch.Tensor:
+        """The LM head's input from depth ``i``'s output: the output itself (already normed)."""
+        return hidden
+
+    def target_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's tapped state as depth 0 reads it: as it is."""
+        return hidden
+
     def rope(self, embeds: torch.Tensor, positions: torch.Tensor):
         """The target's rotary embedding at ``positions [B, T]``, as its text model computes it: a
         multimodal rope (Qwen3.5's, ``mrope_section``) gets the text positions on each of its three
@@ -220,7 +228,7 @@ class FcMtpLayers(nn.Module):
                 files[m] = (k, f)
         with torch.device("meta"):  # no initialisation of what the checkpoint overwrites (billions of expert weights)
             layers = cls(target, n, place=False)
-        tensors = _fold_experts(_read(files), set(layers.state_dict()))
+        tensors = _fold_experts(cls.read_tensors(files), set(layers.state_dict()))
         missing, unexpected = layers.load_state_dict(tensors, strict=False, assign=True)
         unset = [name for name, t in layers.named_buffers() if t.is_meta]
         if missing or unexpected or unset:
@@ -231,6 +239,11 @@ class FcMtpLayers(nn.Module):
                 f"buffers no checkpoint sets {unset[:8]}."
             )
         return layers.place(target).eval()
+
+    @classmethod
+    def read_tensors(cls, files: dict[str, tuple[str, str]]) -> dict[str, torch.Tensor]:
+        """``{module name: tensor}`` from ``{module name: (checkpoint name, safetensors file)}``."""
+        return _read(files)
 
     def checkpoint_tensors(self, per_expert: bool) -> dict[str, torch.Tensor]:
         """This module's tensors under their checkpoint names, experts one tensor per expert when

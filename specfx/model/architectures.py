@@ -308,11 +308,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         overrides=_V4_TINY,
         compressed_kv=True,
         min_queries=2,
-        mtp_reason=(
-            "transformers ignores its checkpoints' mtp.* tensors (config.num_nextn_predict_layers) and specfx has no "
-            "layout for them yet (a V4 MTP block is a V4 decoder block, hyper-connections and compressed attention "
-            "included); use prompt lookup, early exit or a draft model"
-        ),
+        mtp_layout="deepseek_v4",  # its MTP layer, which transformers drops: specfx.drafters.mtp_v4 (decision 98)
         padding_reason=(
             "its compressor pools windows of cache positions, which on a left-padded row include the padding, "
             "so HF's own generate() output for a padded row differs from the same prompt alone (specfx would "

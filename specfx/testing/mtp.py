@@ -9,7 +9,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from specfx.drafters import mtp as mtp_module
-from specfx.drafters.mtp_fc import LAYOUTS
+from specfx.drafters.mtp import LAYOUTS
 from specfx.model.architectures import ARCHITECTURES
 from specfx.testing.tiny import STATEFUL_TINY, tiny_causal_lm
 
@@ -81,14 +81,14 @@ def fc_mtp_checkpoint(arch: str, m: int, directory, vocab: int = 128, seed: int 
     ``layers``: those random layers, tied to the loaded target. No EOS; the pad id (0) has a real
     embedding, so only the 2-D mask hides padding, as in real checkpoints. ``overrides``: more config
     fields for the target (e.g. ``initializer_range``), over its tiny row's."""
-    config = {**STATEFUL_TINY[arch], **overrides}
+    config = {**(STATEFUL_TINY.get(arch) or ARCHITECTURES[arch].overrides), **overrides}
     count = LAYOUTS[ARCHITECTURES[arch].mtp_layout].count_field  # the config field counting the MTP layers
     target = tiny_causal_lm(arch, vocab_size=vocab, seed=seed, **{count: m}, **config)
     with torch.no_grad():
         target.get_input_embeddings().weight[0].normal_()
     layers = mtp_module.random_mtp_layers(target, m, std=0.3, seed=seed + 1)
     mtp_module.save_with_mtp_layers(target, layers, directory)
-    loaded = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="sdpa").eval()
+    loaded = AutoModelForCausalLM.from_pretrained(directory, attn_implementation=target.config._attn_implementation).eval()
     loaded.generation_config.eos_token_id = None
     loaded.generation_config.pad_token_id = 0
     layers.tie(loaded)

@@ -246,6 +246,8 @@ def test_reallocations_free_old_kv_buffers_and_reuse_captures(one_thread):
 
 
 @pytest.mark.compiled
+@pytest.mark.full
+@pytest.mark.ci
 def test_alternating_batch_sizes_compile_each_round_once(one_thread):
     """A new capture per reallocation changed the graph module class the round graph guards on:
     every switch of batch size recompiled the round, and the 9th failed (recompile limit)."""

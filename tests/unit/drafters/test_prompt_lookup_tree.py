@@ -215,6 +215,7 @@ def test_tree_sampling_respects_max_new_tokens(one_thread):
         assert spec.stats.emitted == 2 * (new - 1)  # the first token comes from prefill
 
 
+@pytest.mark.full  # the default tier: the draft model's, EAGLE-3's and Medusa's trees (tests/lossless, heads)
 def test_tree_sampling_matches_exact_distribution():
     """Chi-square against the enumerated target distribution (harness of test_lossless): on
     a 6-token vocabulary the trie often repeats a sibling's token, which acceptance must reject."""

@@ -246,6 +246,7 @@ def test_a_tree_under_auto_compiles_in_the_background_too(target, one_thread):
     assert torch.equal(spec.generate(PROMPT, max_new_tokens=24), ref)
 
 
+@pytest.mark.full
 def test_eager_rounds_capture_taps_while_another_thread_compiles(target, one_thread):
     """torch holds one process-wide "compiling" flag (``torch.compiler.is_compiling()``) while any
     thread compiles. An EAGLE-3 head's eager prefill of a new prompt width captures the target's
@@ -267,6 +268,7 @@ def test_eager_rounds_capture_taps_while_another_thread_compiles(target, one_thr
     assert spec.wait_for_graphs(timeout=120)
 
 
+@pytest.mark.full
 def test_an_exiting_program_drops_queued_compiles_and_waits_for_the_running_one(tmp_path):
     """Interpreter shutdown under a compile in the worker thread aborted the process (exit
     status 134, "terminate called without an active exception"); now the exit waits for the job
@@ -321,6 +323,7 @@ def test_wait_returns_after_the_switch_interval_is_restored(monkeypatch):
         sys.setswitchinterval(saved)
 
 
+@pytest.mark.full
 def test_a_real_compile_cut_short_by_exit_is_not_reported_as_a_failure():
     """A script that generates once and ends while "auto"'s round graphs compile: the exit stops
     the compile under way (the interpreter refuses Inductor's thread pools by then) and that is

@@ -29,7 +29,7 @@ K = 4
 
 # The default tier runs a gated-delta-net hybrid, Mamba2 SSD, attention and state in one layer, and
 # short convs; --full (CI's newest-transformers run) runs every type.
-DEFAULT_TIER = {"qwen3_next", "mamba2", "lfm2"}
+DEFAULT_TIER = {"qwen3_next", "lfm2"}  # mamba2 and the rest: --full (and CI's eager run)
 
 
 def _param(name: str, default=DEFAULT_TIER):
@@ -42,6 +42,11 @@ def _param(name: str, default=DEFAULT_TIER):
     if default is not None and name not in default:
         marks.append(pytest.mark.full)
     return pytest.param(name, marks=marks)
+
+
+def _ci(param):
+    """``param`` marked ``ci`` as well: a --full Inductor test CI runs too (decision 96)."""
+    return pytest.param(*param.values, marks=[*param.marks, pytest.mark.ci])
 
 
 @functools.cache
@@ -156,7 +161,9 @@ def test_compiled_round_is_one_graph_and_equals_generate(model, one_thread):
 
 
 @pytest.mark.compiled
-@pytest.mark.parametrize("arch", [_param(name, default={"qwen3_next"}) for name in sorted(TINY)])
+@pytest.mark.parametrize(  # Inductor on every type: --full; Qwen3-Next's in CI's run too
+    "arch", [_ci(_param(name, default=set())) if name == "qwen3_next" else _param(name, default=set()) for name in sorted(TINY)]
+)
 @torch.no_grad()
 def test_inductor_round_is_one_graph_and_equals_generate(arch, request, one_thread):
     """The same with the default backend (Inductor, decision 78): the state buffers, the snapshot and

@@ -209,6 +209,8 @@ def test_hf_forward_with_dynamic_cache_matches_eager(arch, one_thread):
 
 
 @pytest.mark.compiled
+@pytest.mark.full
+@pytest.mark.ci
 def test_hf_forward_under_inductor_matches_eager(one_thread):
     model = tiny_causal_lm("llama", num_layers=1)
     ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(0))

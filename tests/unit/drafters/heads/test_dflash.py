@@ -79,6 +79,7 @@ def test_greedy_equals_generate_batch_one_and_left_padded(arch, draft_dir, one_t
         assert spec.stats.proposed > 0
 
 
+@pytest.mark.full
 def test_the_user_model_is_untouched_and_shared_not_copied(draft_dir, one_thread):
     target = _target("llama")
     with unchanged(target):
@@ -285,6 +286,7 @@ def test_save_round_trip_writes_z_labs_layout(draft_dir, tmp_path):
     assert all(torch.equal(v, again.head.state_dict()[k]) for k, v in drafter.head.state_dict().items())
 
 
+@pytest.mark.full
 def test_a_config_as_z_lab_publishes_it_loads(draft_dir, tmp_path, one_thread):
     """Keys a z-lab config.json carries besides the layout's (auto_map for its remote code, which
     specfx never runs; Qwen3's sliding-window switches, off; dtype and version fields) are read

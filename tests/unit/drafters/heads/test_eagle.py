@@ -56,7 +56,7 @@ def _unchanged(model):
     return lambda: all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 
-@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("mode", tiered(sorted(MODES), ("chain",)))  # trees: the proposals tests; --full
 @pytest.mark.parametrize("arch", tiered(ARCHS, ("llama",), ci=("gemma2",)))
 def test_greedy_equals_generate(arch, mode, tmp_path_factory, one_thread):
     target, directory = target_and_head(arch, tmp_path_factory)
@@ -211,7 +211,7 @@ def _check_against_reference(target, directory, mode, reference):
     return drafter
 
 
-@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("mode", tiered(sorted(MODES), ("chain", "tree")))
 @pytest.mark.parametrize("arch", tiered(["llama", "mistral", "gemma2"], ["llama"]))
 def test_proposals_equal_a_plain_pytorch_reference(arch, mode, tmp_path_factory, one_thread):
     """Small vocabulary: random drafts are accepted often enough that rounds commit several
@@ -259,7 +259,7 @@ def _agreeing_pair(tmp_path):
     return target, tmp_path
 
 
-@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("mode", tiered(sorted(MODES), ("chain", "tree")))
 def test_a_head_that_agrees_is_accepted_at_depth_two_and_more(mode, tmp_path, one_thread):
     target, directory = _agreeing_pair(tmp_path)
     spec = specfx.speculate(target, draft=f"eagle:{directory}", compile=False, **MODES[mode])

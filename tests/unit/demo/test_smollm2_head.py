@@ -52,6 +52,7 @@ def test_head_on_the_real_model_is_exact_and_trained(smollm2_model, one_thread):
 
 
 @pytest.mark.full  # the demo command itself: test_chat_demo.py; this head's exactness: the test above
+@pytest.mark.exhaustive  # (a minute to load and run: pytest --full, not CI)
 def test_demo_runs_the_shipped_head(smollm2_model, one_thread, capsys):
     from specfx import cli
 

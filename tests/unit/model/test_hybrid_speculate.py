@@ -27,8 +27,8 @@ TINY = STATEFUL_TINY
 K = 4
 
 
-# The default tier runs a gated-delta-net hybrid, Mamba2 SSD, attention and state in one layer, and
-# short convs; --full (CI's newest-transformers run) runs every type.
+# The default tier runs a gated-delta-net hybrid and short convs; --full runs every type (CI's newest run
+# too, but for the compiled round's and the draft model's per-type repeats: CI_TYPES).
 DEFAULT_TIER = {"qwen3_next", "lfm2"}  # mamba2 and the rest: --full (and CI's eager run)
 
 
@@ -47,6 +47,21 @@ def _param(name: str, default=DEFAULT_TIER):
 def _ci(param):
     """``param`` marked ``ci`` as well: a --full Inductor test CI runs too (decision 96)."""
     return pytest.param(*param.values, marks=[*param.marks, pytest.mark.ci])
+
+
+def _matrix(ci):
+    """Every type, the default tier's unmarked, ``ci``'s marked ``full`` and the others ``full`` and
+    ``exhaustive``: a per-type repeat CI leaves to ``pytest --full`` (decision 96)."""
+    params = [_param(name) for name in sorted(TINY)]
+    return [
+        p if p.values[0] in DEFAULT_TIER or p.values[0] in ci else pytest.param(*p.values, marks=[*p.marks, pytest.mark.exhaustive])
+        for p in params
+    ]
+
+
+# CI's newest run: the default tier's types and one Mamba1, one Mamba2 and one parallel (attention and state
+# in one layer) hybrid; every type: pytest --full
+CI_TYPES = ("mamba", "mamba2", "falcon_h1")
 
 
 @functools.cache
@@ -103,10 +118,12 @@ def test_prompt_lookup_rejecting_every_proposal(model, one_thread):
     assert stats.proposed > stats.accepted
 
 
+@pytest.mark.parametrize("arch", _matrix(("mamba2", "falcon_h1")))
 @torch.no_grad()
-def test_attention_draft_model_and_auto_k(model, one_thread):
+def test_attention_draft_model_and_auto_k(arch, one_thread):
     """A draft model (attention only, its own KV) drives the same rollback; "auto" K mixes in
     rounds of K = 0, which keep their one input and roll nothing back."""
+    model = _model(arch)
     draft = tiny_causal_lm("llama", vocab_size=model.config.vocab_size)
     ids, mask = left_padded(8, [2, 0], seed=6)
     for k in (3, None):
@@ -153,11 +170,12 @@ def _compiled_check(model, backend, batch_one: bool = True):
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
 
 
+@pytest.mark.parametrize("arch", _matrix(CI_TYPES))
 @torch.no_grad()
-def test_compiled_round_is_one_graph_and_equals_generate(model, one_thread):
+def test_compiled_round_is_one_graph_and_equals_generate(arch, one_thread):
     """The round traced as one graph (``specfx_eager``): the mixer hooks are attached around the
     compiled calls, not traced."""
-    _compiled_check(model, "specfx_eager")
+    _compiled_check(_model(arch), "specfx_eager")
 
 
 @pytest.mark.compiled

@@ -45,6 +45,8 @@ from pathlib import Path
 
 import torch
 
+from specfx.model.load import NO_HUB_KERNELS
+
 __all__ = [
     "GGUF_ENV",
     "CACHE_ENV",
@@ -197,7 +199,7 @@ def load_gguf(gguf: str | Path, dtype: torch.dtype = torch.float32):
         raise ImportError(GGUF_HINT)
     path = Path(gguf)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype, **NO_HUB_KERNELS)
     return model.eval(), with_model_special_tokens(tokenizer, model)
 
 

@@ -24,6 +24,7 @@ from specfx.drafters.base import Drafter
 from specfx.drafters.draft_model import check_draft_runner
 from specfx.drafters.drafting import draft_token
 from specfx.drafters.heads.eagle_checkpoint import rope_keys
+from specfx.model.load import NO_HUB_KERNELS
 from specfx.model.runner import ModelRunner
 
 __all__ = ["Pard", "from_name", "serving_config"]
@@ -173,5 +174,5 @@ def from_name(arg: str | None) -> Pard:
         )
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(arg, use_safetensors=True, trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(arg, use_safetensors=True, trust_remote_code=False, **NO_HUB_KERNELS)
     return Pard(model.eval())

@@ -13,7 +13,14 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["check_model_dir", "load_causal_lm", "load_tokenizer"]
+__all__ = ["NO_HUB_KERNELS", "check_model_dir", "load_causal_lm", "load_tokenizer"]
+
+# What every ``from_pretrained`` of specfx's own passes (decision 99). transformers 5.25 made
+# ``use_kernels=True`` the default (and the ``kernels`` package a dependency): it swaps layers'
+# forwards for kernels fetched from the hub on CUDA/ROCm/XPU, which needs the network at load
+# time and puts opaque custom ops where Inductor would fuse the plain torch code of a round.
+# Older releases accept the argument with the same meaning (their default is False).
+NO_HUB_KERNELS = {"use_kernels": False}
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 CONVERT_HINT = (
@@ -46,10 +53,12 @@ def check_model_dir(path: str | Path) -> Path:
 
 def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", **kwargs):
     """A causal LM from the local directory ``path`` (see :func:`check_model_dir`), cast to
-    ``dtype``, on ``device``, in eval mode; ``kwargs`` go to ``from_pretrained``."""
+    ``dtype``, on ``device``, in eval mode; ``kwargs`` go to ``from_pretrained`` (hub kernels
+    off unless ``use_kernels=True`` is passed: see ``NO_HUB_KERNELS``)."""
     from transformers import AutoModelForCausalLM
 
     p = check_model_dir(path)
+    kwargs = {**NO_HUB_KERNELS, **kwargs}
     model = AutoModelForCausalLM.from_pretrained(p, dtype=dtype, use_safetensors=True, local_files_only=True, **kwargs)
     return model.to(device).eval()
 

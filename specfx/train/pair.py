@@ -60,6 +60,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from specfx.model.load import NO_HUB_KERNELS
 from specfx.train.checkpoint import load_checkpoint, save_checkpoint
 from specfx.train.pair_corpus import (
     EOS,
@@ -322,7 +323,7 @@ def export_pair(run: Path, dest: Path, dtype: str = "float16") -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     for role in ("target", "draft"):
-        model = AutoModelForCausalLM.from_pretrained(run / role, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(run / role, dtype=torch.float32, **NO_HUB_KERNELS)
         model = model.to(getattr(torch, dtype))
         if (dest / role).exists():
             shutil.rmtree(dest / role)

@@ -94,6 +94,28 @@ def test_a_safetensors_directory_loads_offline(tmp_path, no_hub):
         assert torch.equal(a, b)
 
 
+def test_specfx_own_loads_ask_for_no_hub_kernels(tmp_path, no_hub, monkeypatch):
+    """Decision 99: transformers 5.25 kernelizes by default (hub kernels on CUDA, fetched over the
+    network); specfx's own loaders pass use_kernels=False, which every supported release accepts."""
+    from transformers import AutoModelForCausalLM
+
+    from specfx.drafters.pard import from_name
+
+    model = tiny_causal_lm("llama")
+    model.config.pard_token = 3  # a PARD checkpoint's mask token, so draft="pard:DIR" loads it
+    model.save_pretrained(tmp_path)
+    real, seen = AutoModelForCausalLM.from_pretrained, []
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("use_kernels"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", spy)
+    loaded = [load_causal_lm(tmp_path), from_name(str(tmp_path)).model]
+    assert seen == [False, False]
+    assert all(not getattr(m, "use_kernels", False) for m in loaded)
+
+
 # ----------------------------------------------------------------------------- models unchanged
 def test_hf_assisted_sets_k_only_during_the_call():
     target, draft = tiny_pair("llama")

@@ -313,7 +313,10 @@ class MixerTaps:
             for args, kwargs in self.inputs[id(mod)]:  # one recorded forward per capture
                 out += [a for a in args if isinstance(a, torch.Tensor)]
                 out += [v for k, v in kwargs.items() if isinstance(v, torch.Tensor) and k != "attention_mask"]
-        return tuple(out)
+        # each as a view of its own: Dynamo returns a tensor that leaves the graph several times (or a
+        # graph input) through its bytecode, not as several outputs of the FX graph specfx calls, and
+        # transformers 5.25 passes every Mamba2 mixer the same position_ids
+        return tuple(t.view_as(t) for t in out)
 
     def template(self, cache) -> list[list[tuple[tuple, dict]]]:
         """The recorded inputs' structure, per mixer and recorded forward, with :data:`_TENSOR`

@@ -153,9 +153,12 @@ def hidden_taps(gm: fx.GraphModule, *, layer_names: list[str], taps) -> int:
         return _one([n for n in by_layer[i] if any(into(u) for u in n.users)], residual, what)
 
     last = num_layers - 1
+    # Only what the logits are computed from: a recording capture also returns the stateful mixers'
+    # inputs (views of layers' values, made after the forward), which are no boundary.
+    to_logits = _ancestors(logits)
     # What follows the layers: nodes outside every layer placed after the last layer's nodes.
     last_pos = nodes.index(by_layer[last][-1])
-    tail = {n for n in nodes[last_pos + 1 :] if layer[n] is None and n.op != "output"}
+    tail = {n for n in nodes[last_pos + 1 :] if layer[n] is None and n.op != "output" and n in to_logits}
     leaving_last = leaving(last, lambda u: u in tail, f"from decoder layer {last} into the final norm", None)
     residual = _signature(leaving_last)
 
@@ -169,7 +172,7 @@ def hidden_taps(gm: fx.GraphModule, *, layer_names: list[str], taps) -> int:
     def final() -> fx.Node:
         name, base = _base_path(by_layer[0], layer_names[0])
         inside = [n for n in nodes if n.op not in ("placeholder", "output") and _within(n, base)]
-        crossing = [n for n in inside if any(u.op != "output" and not _within(u, base) for u in n.users)]
+        crossing = [n for n in inside if any(u in to_logits and not _within(u, base) for u in n.users)]
         return _one(crossing, residual, f"out of the base model ({name})")
 
     found: dict[str, fx.Node] = {}
@@ -185,6 +188,17 @@ def hidden_taps(gm: fx.GraphModule, *, layer_names: list[str], taps) -> int:
     graph.lint()
     gm.recompile()
     return len(taps)
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    """``node`` and every node it is computed from."""
+    seen, todo = {node}, [node]
+    while todo:
+        for n in todo.pop().all_input_nodes:
+            if n not in seen:
+                seen.add(n)
+                todo.append(n)
+    return seen
 
 
 def _base_path(layer0: list[fx.Node], layer0_name: str) -> tuple[str, str]:

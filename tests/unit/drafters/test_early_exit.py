@@ -4,6 +4,8 @@ Eager rounds except one compiled test."""
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 from transformers import LogitsProcessorList
 
 import specfx
@@ -179,11 +181,21 @@ def test_blocks_of_several_layers_are_the_exit_boundaries(one_thread):
     assert sorted({kv[id(x)] for x in spec.drafter.graph.bound if id(x) in kv}) == list(range(2 * layer))
 
 
-def test_longcat_flash_moe_is_refused_at_speculate(one_thread):
-    """With its real MoE (a loop over the experts tokens were routed to, data-dependent), the
-    forward cannot be captured: refused at speculate(), with that reason."""
-    with pytest.raises(ValueError, match=r"LongcatFlashForCausalLM's forward as one graph failed.*data-dependent"):
-        specfx.speculate(_longcat(2), draft="early_exit:1", compile=False)
+def test_longcat_flash_moe_is_refused_where_it_cannot_be_captured_and_exact_where_it_can(one_thread):
+    """Before transformers 5.25 its real MoE loops over the experts tokens were routed to (data-
+    dependent): the forward cannot be captured, refused at speculate() with that reason. From 5.25
+    its experts use transformers' shared experts implementation, which captures: then the cut
+    graph runs, and greedy output equals generate() on a left-padded batch."""
+    target = _longcat(2)
+    if Version(transformers.__version__) < Version("5.25"):
+        with pytest.raises(ValueError, match=r"LongcatFlashForCausalLM's forward as one graph failed.*data-dependent"):
+            specfx.speculate(target, draft="early_exit:1", compile=False)
+        return
+    spec = specfx.speculate(target, draft="early_exit:1", num_speculative_tokens=3, compile=False)
+    ids, mask = left_padded(8, (3, 0), seed=2)
+    kw = dict(attention_mask=mask, max_new_tokens=16, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(spec.generate(ids, **kw), target.generate(ids, **kw))
+    assert spec.stats.proposed > 0
 
 
 def test_blocks_of_several_layers_bound_the_exit_layer(one_thread):

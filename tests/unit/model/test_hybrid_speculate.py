@@ -16,6 +16,7 @@ import functools
 import pytest
 import torch
 import transformers
+from packaging.version import Version
 
 import specfx
 from specfx.model.architectures import ARCHITECTURES, installed
@@ -202,8 +203,12 @@ def test_inductor_round_is_one_graph_and_equals_generate(arch, request, one_thre
 
 
 # Types whose multi-token forward does not continue a cached state as their own single-token decoding
-# does (Mamba1's scan starts from zero; NemotronH's and Zamba2's chunked path clamps the time step)
-STEPPED = {"mamba", "falcon_mamba", "jamba", "zamba", "nemotron_h", "zamba2"}
+# does (Mamba1's scan starts from zero; Zamba2's chunked path clamps the time step, and NemotronH's did
+# until transformers 5.25 moved its mixer onto a scan that clamps in both paths: there the probe must
+# find the multi-token forward exact and not step)
+STEPPED = {"mamba", "falcon_mamba", "jamba", "zamba", "zamba2"}
+if Version(transformers.__version__) < Version("5.25"):
+    STEPPED.add("nemotron_h")
 
 
 @pytest.mark.parametrize("arch", [_param(name, default={"mamba", "nemotron_h", "qwen3_next"}) for name in sorted(TINY)])

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import torch
 
-from specfx.drafters.base import Drafter
+from specfx.drafters.base import Drafter, TreeDrafting
 from specfx.drafters.draft_model import check_draft_runner
 from specfx.drafters.drafting import draft_token
 from specfx.drafters.heads.eagle_checkpoint import rope_keys
 from specfx.model.load import NO_HUB_KERNELS
 from specfx.model.runner import ModelRunner
+from specfx.trees.drafting import draft_positional_tree
 
 __all__ = ["Pard", "from_name", "serving_config"]
 
@@ -64,7 +65,7 @@ def serving_config(config: dict, mask_token_id: int) -> dict:
     return out
 
 
-class Pard(Drafter):
+class Pard(TreeDrafting, Drafter):
     """A PARD draft model: K proposals from one draft forward of fixed shape per round.
 
     Each round's draft forward feeds ``W + K`` tokens per row (``W``: the largest K any round of
@@ -88,8 +89,15 @@ class Pard(Drafter):
     to the trash slot, like prefill's padding: they see slot 0 only and nothing real sees them.
 
     K = 0 rounds ("auto"'s plain decoding) leave the draft's cache behind, so the drafter is not
-    ``resumable``. Chains only: a mask forward proposes one path (``speculate(tree=...)`` is
-    refused).
+    ``resumable``.
+
+    Token trees (``speculate(tree=TokenTree)``, decision 100): the same forward with D - 1 masks
+    (D: the tree's depth) gives one distribution per depth that does not depend on the path (the
+    masks stand where the path's tokens would), so the node with child ranks ``(r_1, ..., r_d)``
+    gets the ``r_d``-th most likely token at depth d, as Medusa fills its trees from its heads.
+    The window is then the round's largest depth: a tree round accepts at most D proposals, so
+    the invariant above holds with D for K. Tree nodes are deterministic choices (q one-hot), so
+    sampling stays lossless.
     """
 
     name = "pard"
@@ -135,14 +143,16 @@ class Pard(Drafter):
         self.runner.forward(ids, positions, slots, last_only=True)
 
     def window(self, ctx) -> int:
-        """W: committed positions before the pending one each round rewrites. The largest K any
-        round of this generator may use (the state keeps one statistic per position, a graph
-        constant), so that rounds of different K ("auto") keep the invariant too."""
-        return max(ctx.k, ctx.state.per_position.shape[0])
+        """W: committed positions before the pending one each round rewrites. The most proposals
+        any round of this generator may accept (K, a tree's depth; the state keeps one statistic
+        per position, a graph constant), so that rounds of different K ("auto") keep the
+        invariant too."""
+        return max(depth_of(ctx), ctx.state.per_position.shape[0])
 
     def draft_logits(self, ctx) -> torch.Tensor:
-        """The one draft forward of a round: logits ``[B, K, V]`` at positions ``L .. L + K - 1``."""
-        k, back = ctx.k, self.window(ctx)
+        """The one draft forward of a round: logits ``[B, K, V]`` at positions ``L .. L + K - 1``
+        (K: the chain's length, or the tree's depth)."""
+        k, back = depth_of(ctx), self.window(ctx)
         lengths = ctx.lengths  # [B]
         offsets = torch.arange(-back, k, device=lengths.device)  # [W + K]
         pos = lengths.unsqueeze(1) + offsets  # [B, W + K]
@@ -162,6 +172,14 @@ class Pard(Drafter):
             # proposals, stand before it): sampling from it is still exact rejection sampling
             draft_token(ctx, logits[:, i : i + 1], i, proposals, qs)
         return torch.cat(proposals, dim=1), torch.cat(qs, dim=1) if qs else None
+
+    def propose_tree(self, ctx) -> torch.Tensor:
+        return draft_positional_tree(ctx, self.draft_logits(ctx))  # [B, D, V]: depth d from position L + d - 1
+
+
+def depth_of(ctx) -> int:
+    """Proposals along one path this round: the chain's K or the tree's depth."""
+    return ctx.k if ctx.token_tree is None else ctx.token_tree.depth
 
 
 def from_name(arg: str | None) -> Pard:

@@ -64,7 +64,7 @@ def _warn_mask_in_data(head, stream, name: str, flag: str, log) -> None:
 def build_head(cfg: TrainConfig, runner, stream, tokenizer, log=print) -> TrainHead:
     if cfg.head == "pard":
         head = PardTrain(runner, cfg.init, cfg.seed, cfg.draft_layers, cfg.draft_hidden, tokenizer, cfg.pard_k,
-                         cfg.pard_token, cfg.pard_cod_ratio, cfg.pard_cod_min)  # fmt: skip
+                         cfg.pard_token, cfg.pard_cod_ratio, cfg.pard_cod_min, cfg.pard_distill)  # fmt: skip
         _warn_mask_in_data(head, stream, "PARD", "--pard-token", log)
         return head
     if cfg.head == "dflash":
@@ -352,43 +352,28 @@ def parser() -> argparse.ArgumentParser:
         "--draft-layers", type=int, default=defaults.draft_layers, help="--head draft / pard / dflash: decoder layers"
     )
     p.add_argument("--draft-hidden", type=int, default=defaults.draft_hidden, help="--head draft / pard: hidden size")
-    p.add_argument(
-        "--pard-k",
-        type=int,
-        default=defaults.pard_k,
-        help="--head pard: tokens predicted per forward, K (the reference's para_num; default 8)",
-    )
-    p.add_argument(
-        "--pard-token",
-        type=int,
-        default=None,
-        help="--head pard: the mask token id, an existing id of the target's vocabulary that the data never "
-        "uses (default: the first id past the tokenizer's vocabulary when the embedding is larger, "
-        "else a pad id that is not BOS/EOS, else the last id)",
-    )
-    p.add_argument(
-        "--pard-cod-ratio",
-        type=float,
-        default=defaults.pard_cod_ratio,
-        help="--head pard: COD, mask depth j keeps a fraction max(ratio**j, min) of the positions "
-        "(1: keep all; default 0.7)",
-    )
-    p.add_argument(
-        "--pard-cod-min",
-        type=float,
-        default=defaults.pard_cod_min,
-        help="--head pard: COD's smallest kept fraction (default 0.2)",
-    )
+    pard_flags = (
+        ("pard_k", int, "tokens predicted per forward, K (the reference's para_num)"),
+        ("pard_token", int, "the mask token id, an existing id of the target's vocabulary that the data never uses "
+         "(absent: the first id past the tokenizer's vocabulary when the embedding is larger, else a pad id that is "
+         "not BOS/EOS, else the last id)"),
+        ("pard_cod_ratio", float, "COD, mask depth j keeps a fraction max(ratio**j, min) of the positions (1: keep all)"),
+        ("pard_cod_min", float, "COD's smallest kept fraction"),
+        ("pard_distill", float, "weight w of the target's distribution in every entry's loss: (1 - w) x cross-entropy "
+         "against the data's token + w x cross-entropy against the target's distribution there (0: PARD's hard "
+         "labels, no target forward)"),
+    )  # fmt: skip
     dflash_flags = (
         ("dflash_block", int, "the pending token plus block_size - 1 masks drafted in one forward (z-lab's b16: 16)"),
         ("dflash_token", int, "the mask token id (as --pard-token's default; an --init draft keeps its own)"),
         ("dflash_anchors", int, "blocks per window, at random anchors (SpecForge's num_anchors: 512)"),
         ("dflash_gamma", float, "weight block position k's loss by exp(-(k - 1) / gamma) (absent: no decay)"),
     )
-    for name, kind, text in dflash_flags:
-        default = getattr(defaults, name)
-        p.add_argument("--" + name.replace("_", "-"), type=kind, default=default,
-                       help=f"--head dflash: {text}" + (f"; default {default}" if default is not None else ""))  # fmt: skip
+    for head, flags in (("pard", pard_flags), ("dflash", dflash_flags)):
+        for name, kind, text in flags:
+            default = getattr(defaults, name)
+            p.add_argument("--" + name.replace("_", "-"), type=kind, default=default,
+                           help=f"--head {head}: {text}" + (f"; default {default}" if default is not None else ""))  # fmt: skip
     p.add_argument("--lr", type=float, default=defaults.lr, help=f"peak learning rate, AdamW (default {defaults.lr})")
     p.add_argument("--weight-decay", type=float, default=defaults.weight_decay, help="AdamW weight decay (default 0)")
     p.add_argument(

@@ -45,6 +45,7 @@ class TrainConfig:
     pard_token: int | None = None
     pard_cod_ratio: float = 0.7
     pard_cod_min: float = 0.2
+    pard_distill: float = 0.0
     dflash_block: int = 16
     dflash_token: int | None = None
     dflash_anchors: int = 512
@@ -75,6 +76,8 @@ class TrainConfig:
                 f"--pard-cod-ratio must be in (0, 1] and --pard-cod-min in [0, 1], got {self.pard_cod_ratio} and "
                 f"{self.pard_cod_min}."
             )
+        if not 0 <= self.pard_distill <= 1:
+            raise ValueError(f"--pard-distill must be in [0, 1], got {self.pard_distill}.")
         if self.head == "pard" and self.seq_len < self.pard_k + 2:
             raise ValueError(f"--head pard: --seq-len must be >= --pard-k + 2, got {self.seq_len}.")
         if self.dflash_block < 2 or self.dflash_anchors < 1:

@@ -21,7 +21,11 @@ here as a list of entries rather than copies of the sequence:
   turn COD off). One draw per batch, as the reference's, from a generator seeded with
   ``(seed, step)``; evaluation keeps every entry;
 * the loss is the mean cross-entropy over every kept entry against the data's token (hard
-  labels, no distillation: PARD's draft is target-independent).
+  labels, no distillation: PARD's draft is target-independent). ``--pard-distill w`` (not the
+  reference's; default 0) mixes in the target's distribution where the entry's token is
+  predicted: ``(1 - w) CE(data token) + w CE(softmax(target logits at position t + j))``, the
+  target's next-token distribution given the real tokens up to ``t + j`` (what a chain of
+  accepted proposals would have given it), as ``--head draft`` distils a draft model.
 
 Differences, deliberately: entries whose target lies past the window are not built (the
 reference builds them with label -100), nor the reference's masks with no real token before
@@ -39,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from specfx.drafters.pard import mask_token_of, serving_config
-from specfx.train.heads import DraftTrain
+from specfx.train.heads import DraftTrain, soft_ce
 
 __all__ = ["PardTrain", "cod_keep", "default_mask_token", "pard_layout"]
 
@@ -104,14 +108,14 @@ def default_mask_token(config, tokenizer) -> int:
 class PardTrain(DraftTrain):
     """A PARD draft (``--head pard``): the ``--head draft`` model (``--init`` or a fresh small
     Llama), trained on PARD's objective against the data's tokens; reads neither the target's
-    features nor its logits. The mask id: ``--pard-token``, else an ``--init`` PARD draft's own
+    features nor its logits (with ``distill`` > 0 it reads the logits). The mask id: ``--pard-token``, else an ``--init`` PARD draft's own
     ``pard_token``, else :func:`default_mask_token`. Saved with ``config.pard_token`` and ``config.spd_type = "pard"``,
     the layout :class:`~specfx.drafters.pard.Pard`, vLLM and SGLang read."""
 
     kind = "pard"
     reads_target = False
 
-    def __init__(self, runner, init, seed, layers, hidden, tokenizer, k, mask_token, cod_ratio, cod_min):
+    def __init__(self, runner, init, seed, layers, hidden, tokenizer, k, mask_token, cod_ratio, cod_min, distill=0.0):
         super().__init__(runner, init, seed, layers, hidden, tokenizer)
         vocab = self.module.config.get_text_config().vocab_size
         if mask_token is None:  # an --init PARD draft keeps its own; else the default
@@ -126,6 +130,8 @@ class PardTrain(DraftTrain):
         self.module.config.spd_type = "pard"
         self.k, self.mask_token, self.seed = k, int(mask_token), seed
         self.cod_ratio, self.cod_min = cod_ratio, cod_min
+        self.distill = float(distill)
+        self.reads_target = self.distill > 0  # the target's logits, no taps
         self.depth_acc: list[float] = []
 
     def save(self, path):
@@ -143,6 +149,10 @@ class PardTrain(DraftTrain):
         tokens, pos, mask, labels, depth = pard_layout(ids, self.k, self.mask_token, kept)
         out = self.module(input_ids=tokens, position_ids=pos, attention_mask=mask).logits
         loss = F.cross_entropy(out.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+        if self.distill > 0:  # entry (t, j) predicts x_{t+1+j}: the target's logits at position t + j
+            valid = labels >= 0
+            teacher = logits[:, pos[0].clamp(max=ids.shape[1] - 1)]  # [B, S, V]
+            loss = (1 - self.distill) * loss + self.distill * soft_ce(out[valid], teacher[valid])
         hit = (out.argmax(-1) == labels) & (labels >= 0)
         valid = labels >= 0
         self.depth_acc = [

@@ -17,7 +17,10 @@ import torch
 from specfx.model.masks import TreeView
 from specfx.trees.types import DynamicTree, TokenTree, TreeTensors
 
-__all__ = ["Branch", "branch_view", "draft_dynamic_tree", "draft_levels", "draft_tree", "level_inputs", "tree_view"]
+__all__ = [
+    "Branch", "branch_view", "draft_dynamic_tree", "draft_levels", "draft_positional_tree", "draft_tree", "level_inputs",
+    "tree_view",
+]  # fmt: skip
 
 
 @dataclass
@@ -71,6 +74,21 @@ def draft_tree(ctx, root_logits: torch.Tensor, step) -> torch.Tensor:
     for queries in draft_levels(tree):
         expand(queries, step(queries, drafted()))
     return torch.cat(columns[1:], dim=1)
+
+
+def draft_positional_tree(ctx, logits: torch.Tensor) -> torch.Tensor:
+    """Fill ``ctx.token_tree`` from scores that do not see the path: ``logits [B, D, V]``, row
+    ``d - 1`` the drafter's scores for the token at depth ``d`` whatever its ancestors (Medusa's
+    heads, PARD's mask positions). The node with child ranks ``(r_1, ..., r_d)`` gets the
+    ``r_d``-th most likely token of row ``d - 1`` (after the round's processors, with its own
+    path as context). Returns the node tokens ``[B, N]``."""
+    depths = ctx.token_tree.depths
+
+    def step(queries, tokens):  # every node of one level has depth d: its children read row d
+        d = depths[queries[0]]
+        return logits[:, d : d + 1].expand(-1, len(queries), -1)
+
+    return draft_tree(ctx, logits[:, :1], step)
 
 
 def draft_dynamic_tree(ctx, root_logits: torch.Tensor, root_state: torch.Tensor, step):

@@ -164,8 +164,8 @@ def _drafters():
 DRAFTERS = _drafters()
 
 
-# MTP heads, PARD and DFlash draft chains only (ARCHITECTURE "Limits today")
-DRAFTER_CASES = [(n, s) for n in sorted(DRAFTERS) for s in ("chain", "tree") if (n, s) not in (("mtp", "tree"), ("pard", "tree"), ("dflash", "tree"))]
+# MTP heads and DFlash draft chains only (ARCHITECTURE "Limits today")
+DRAFTER_CASES = [(n, s) for n in sorted(DRAFTERS) for s in ("chain", "tree") if (n, s) not in (("mtp", "tree"), ("dflash", "tree"))]
 
 
 # the default tier: a tree (prompt lookup); every family: --full

@@ -314,6 +314,18 @@ def test_pard_sampling_matches_exact_distribution(case):
     assert _chisquare(out[:, len(prompt) :].tolist(), probs) > 1e-3
 
 
+@pytest.mark.parametrize("case", tiered(sorted(CASES), ["plain"]))
+def test_pard_tree_sampling_matches_exact_distribution(case):
+    """PARD's token tree (its per-depth guesses of one mask forward, every node a deterministic
+    choice): the three-branch tree's samples follow the target's distribution."""
+    target, draft = _models()
+    kwargs, warpers = CASES[case]
+    probs = _exact(target, [1, 4, 2], warpers)
+    samples, stats = _tree_samples(target, specfx.Pard(draft, mask_token_id=V - 1), BRANCHES, **kwargs)
+    _assert_both_paths_at_several_depths(stats)
+    assert _chisquare(samples, probs) > 1e-3
+
+
 @pytest.mark.parametrize("case", tiered(sorted(CASES), [], ci=["plain"]))  # the warped case: pytest --full
 def test_dflash_sampling_matches_exact_distribution(case):
     """DFlash drafts its block greedily, as its reference does whatever the temperature (q

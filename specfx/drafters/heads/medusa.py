@@ -34,7 +34,7 @@ from specfx.drafters.heads.checkpoint import read_head, warn_engine_gaps, write_
 from specfx.drafters.heads.medusa_checkpoint import KIND, LAYOUTS, check_count, engine_gaps, layout_tensors, read_heads
 from specfx.model.dynamo import mark_static
 from specfx.model.runner import ModelRunner
-from specfx.trees.drafting import draft_tree
+from specfx.trees.drafting import draft_positional_tree
 
 __all__ = ["LAYOUTS", "Medusa", "from_name"]
 
@@ -267,17 +267,8 @@ class Medusa(TreeDrafting, Drafter):
         return torch.cat(proposals, dim=1), None  # deterministic: q is one-hot
 
     def propose_tree(self, ctx) -> torch.Tensor:
-        tree = ctx.token_tree
-        logits = self.head_logits(self.stash, tree.depth)  # [B, D, V]: head d - 1 for depth d
-        depths = tree.depths
-
-        def step(queries, tokens):
-            # every node of one level has depth d; its children (depth d + 1) come from head d,
-            # whatever the node: Medusa's heads do not see the path
-            d = depths[queries[0]]
-            return logits[:, d : d + 1].expand(-1, len(queries), -1)
-
-        return draft_tree(ctx, logits[:, :1], step)
+        # head d - 1 for depth d: Medusa's heads do not see the path
+        return draft_positional_tree(ctx, self.head_logits(self.stash, ctx.token_tree.depth))
 
 
 def from_name(arg: str | None) -> Medusa:

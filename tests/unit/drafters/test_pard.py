@@ -1,7 +1,8 @@
 """PARD: K proposals from one draft forward over the window of committed tokens, the pending
-token and K - 1 mask tokens. Greedy output equals the target's own; every round's draft logits
-equal a from-scratch forward of the committed tokens plus the masks (so no mask KV ever leaks
-into a committed slot); bad configurations are refused."""
+token and K - 1 mask tokens (a token tree: the per-depth top guesses of the same forward).
+Greedy output equals the target's own; every round's draft logits equal a from-scratch forward
+of the committed tokens plus the masks (so no mask KV ever leaks into a committed slot); bad
+configurations are refused."""
 
 from __future__ import annotations
 
@@ -143,6 +144,69 @@ def test_a_window_too_short_leaks_mask_kv_and_the_check_sees_it(back, one_thread
     assert worst > 1e-2
 
 
+# --------------------------------------------------------------------------- token trees
+# a sparse tree of depth 4 (three guesses at depth 1, two under the first) and a full top-2 tree
+TREES = {
+    "sparse": [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0)],
+    "topk": specfx.TokenTree.topk(3, 2),
+}
+
+
+@pytest.mark.parametrize("tree", sorted(TREES))
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_tree_greedy_equals_hf(case, tree, one_thread):
+    """A perturbed copy of the target drafts the tree (its guesses are right at some depths and
+    ranks, wrong at others); its cache stays exact between rounds: every round's logits at the
+    pending token and the D - 1 masks equal a cache-free forward. With "auto" (tree= alone) too."""
+    target, model = pair("llama", "perturbed")
+    drafter = _Recording(model, mask_token_id=MASK)
+    shape = specfx.TokenTree(TREES[tree])  # every round the tree (no "auto": its timing rounds run on scratch state)
+    spec = specfx.speculate(target, draft=drafter, tree=shape, num_speculative_tokens=shape.size, compile=False)
+    ids, mask = CASES[case]()
+    _check_greedy(spec, target, ids, mask)
+    depth = shape.depth
+    assert all(logits.shape[1] == depth for _, _, logits in drafter.rounds)
+    lengths = (mask.sum(dim=1) if mask is not None else torch.full((ids.shape[0],), ids.shape[1])).tolist()
+    worst, compared = _worst_difference(drafter, lengths, NEW)
+    assert compared >= 8 and worst < 1e-4
+    assert spec.stats.accepted > 0
+    _check_greedy(
+        specfx.speculate(target, draft=Pard(model, mask_token_id=MASK), tree=shape, compile=False), target, ids, mask
+    )
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma2", "mistral"])
+def test_tree_greedy_equals_hf_on_the_conformance_subset(arch, one_thread):
+    target, model = pair(arch, "perturbed")
+    tree = TREES["sparse"]  # every round (no "auto", which may turn the tree off)
+    spec = specfx.speculate(
+        target, draft=Pard(model, mask_token_id=MASK), tree=tree, num_speculative_tokens=len(tree), compile=False
+    )
+    _check_greedy(spec, target, *CASES["left_padded"]())
+    assert spec.stats.proposed > 0
+
+
+def test_tree_accepts_second_guesses(one_thread):
+    """A tree's extra children are the draft's second and third guesses at each depth: with the
+    same draft the sparse tree accepts more depth-1 proposals than the chain of the same depth
+    (rank-1 and rank-2 children hit when rank 0 misses)."""
+    target, model = pair("llama", "perturbed")
+    ids, mask = CASES["left_padded"]()
+    depth1 = {}
+    tree = dict(tree=TREES["sparse"], num_speculative_tokens=len(TREES["sparse"]))
+    for key, shape in (("chain", dict(num_speculative_tokens=4)), ("tree", tree)):
+        spec = specfx.speculate(target, draft=Pard(model, mask_token_id=MASK), compile=False, **shape)
+        _check_greedy(spec, target, ids, mask)
+        depth1[key] = spec.cumulative_stats.per_depth[0] / spec.cumulative_stats.row_rounds
+    assert depth1["tree"] > depth1["chain"], depth1
+
+
+def test_dynamic_trees_are_refused():
+    target, model = pair("llama", "small")
+    with pytest.raises(ValueError, match=r"cannot grow a dynamic tree"):
+        specfx.speculate(target, draft=Pard(model, mask_token_id=MASK), tree=specfx.TokenTree.eagle2(), compile=False)
+
+
 # --------------------------------------------------------------------------- configuration
 def test_mask_token_read_from_the_config():
     model = tiny_causal_lm("llama", num_layers=1, seed=7)
@@ -169,12 +233,6 @@ def test_vocabulary_mismatch_is_refused():
     other = tiny_causal_lm("llama", num_layers=1, seed=7, vocab_size=96)
     with pytest.raises(ValueError, match=r"vocabularies differ"):
         specfx.speculate(target, draft=Pard(other, mask_token_id=MASK), num_speculative_tokens=3, compile=False)
-
-
-def test_trees_are_refused():
-    target, model = pair("llama", "small")
-    with pytest.raises(ValueError, match=r"pard drafter drafts a chain only"):
-        specfx.speculate(target, draft=Pard(model, mask_token_id=MASK), tree=specfx.TokenTree.topk(2, 2), compile=False)
 
 
 def test_named_without_a_directory_is_refused():
@@ -221,6 +279,23 @@ def test_compiled_greedy_equals_hf_in_one_graph(one_thread):
     n = len(spec.graphs)
     _check_greedy(spec, target, *left_padded(12, [2, 0, 5], seed=4), new=16)
     assert len(spec.graphs) == n == 1, f"{len(spec.graphs)} graphs"
+    assert spec.stats.accepted > 0
+
+
+@pytest.mark.compiled
+def test_compiled_tree_greedy_equals_hf_in_one_graph(one_thread):
+    target, model = pair("llama", "perturbed")
+    tree = TREES["sparse"]
+    spec = specfx.speculate(
+        target,
+        draft=Pard(model, mask_token_id=MASK),
+        tree=tree,
+        num_speculative_tokens=len(tree),
+        backend="specfx_eager",
+    )
+    _check_greedy(spec, target, *CASES["left_padded"]())
+    _check_greedy(spec, target, *left_padded(12, [2, 0, 5], seed=4), new=16)
+    assert len(spec.graphs) == 1, f"{len(spec.graphs)} graphs"
     assert spec.stats.accepted > 0
 
 

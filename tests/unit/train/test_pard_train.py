@@ -68,6 +68,36 @@ def test_masked_forward_equals_the_drafters_causal_forwards(one_thread, ratio):
     assert not torch.allclose(out, plain, atol=1e-3)
 
 
+@pytest.mark.parametrize("weight", [1.0, 0.5])
+def test_distilled_loss_is_the_targets_distribution_where_each_entry_predicts(one_thread, weight):
+    """``--pard-distill w``: entry (t, j), the real tokens up to t then j masks, is scored against
+    the target's distribution at position t + j (its prediction of x_{t+1+j} from the real tokens),
+    mixed with the hard label's cross-entropy; recomputed here entry by entry from separate causal
+    forwards of the draft and one plain forward of the target."""
+    from specfx.model.runner import ModelRunner
+    from specfx.train.pard import PardTrain
+
+    target = tiny_causal_lm("llama", vocab_size=64, num_layers=2, seed=1)
+    head = PardTrain(ModelRunner(target, role="target"), None, 0, 1, 64, None, 4, 63, 0.7, 0.2, distill=weight)
+    assert head.reads_target
+    t, mask = 12, 63
+    ids = torch.randint(0, 60, (2, t), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        teacher = target(input_ids=ids).logits  # [B, T, V]
+        loss, _ = head.loss(ids, (), teacher, step=3)
+        kept = cod_keep(t, 4, 0.7, 0.2, np.random.default_rng([0, 3, 7]))  # the draw loss() makes at step 3
+        soft, hard = [], []
+        for a, j in [(a, 0) for a in range(t)] + [(int(a), j + 1) for j, km in enumerate(kept) for a in km]:
+            if a + 1 + j >= t:
+                continue
+            seq = torch.cat([ids[:, : a + 1], torch.full((2, j), mask)], 1)
+            logp = head.module(input_ids=seq).logits[:, -1].float().log_softmax(-1)  # [B, V]
+            soft.append(-(teacher[:, a + j].float().softmax(-1) * logp).sum(-1))
+            hard.append(-logp.gather(1, ids[:, a + 1 + j, None]).squeeze(1))
+        expected = (1 - weight) * torch.cat(hard).mean() + weight * torch.cat(soft).mean()
+    assert torch.allclose(loss, expected, atol=1e-4), (loss, expected)
+
+
 def test_layout_is_built_on_the_windows_device():
     # meta stands in for CUDA: a CPU tensor mixed into the layout's torch.where fails on either
     ids = torch.zeros((2, 12), dtype=torch.long, device="meta")
@@ -157,8 +187,9 @@ def assert_resumes_exactly(make_args, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
 
 
-def test_pard_resumes_exactly(one_thread, tiny_dir, toy, tmp_path):
-    assert_resumes_exactly(lambda out, *extra: args(tiny_dir, toy, out, *extra), tmp_path)
+@pytest.mark.parametrize("distill", [(), ("--pard-distill", "0.5")], ids=["hard", "distilled"])
+def test_pard_resumes_exactly(one_thread, tiny_dir, toy, tmp_path, distill):
+    assert_resumes_exactly(lambda out, *extra: args(tiny_dir, toy, out, *distill, *extra), tmp_path)
 
 
 def test_pard_from_init_keeps_the_family_and_the_mask_token(one_thread, tiny_dir, toy, tmp_path, capsys):

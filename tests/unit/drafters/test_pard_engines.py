@@ -61,7 +61,9 @@ def _specfx_logits(model) -> list[torch.Tensor]:
     pos = torch.arange(PROMPT)[None]
     drafter.prefill(SEQ[None, :PROMPT], pos, pos)
     state = SimpleNamespace(per_position=torch.zeros(K))  # the generator's largest K: the window
-    ctx = lambda pending: SimpleNamespace(k=K, lengths=torch.tensor([pending]), tokens=SEQ[None], state=state)  # noqa: E731
+    ctx = lambda pending: SimpleNamespace(  # noqa: E731  (a chain round: no token tree)
+        k=K, token_tree=None, lengths=torch.tensor([pending]), tokens=SEQ[None], state=state
+    )
     return [drafter.draft_logits(ctx(pending))[0] for _, pending in _steps()]
 
 

@@ -37,8 +37,11 @@ def round_shape(name: str) -> dict:
     if name.isdigit():
         return dict(num_speculative_tokens=int(name))
     kind, *args = name.split("-")
-    trees = {"medusa": specfx.TokenTree.medusa, "eagle": specfx.TokenTree.eagle, "topk": specfx.TokenTree.topk}
-    tree = trees.get(kind, specfx.TokenTree.eagle2)(*map(int, args))
+    T = specfx.TokenTree
+    trees = {"medusa": T.medusa, "eagle": T.eagle, "topk": T.topk, "eagle2": T.eagle2}
+    if kind not in trees:
+        raise SystemExit(f"unknown shape {name!r}: K, medusa-N, eagle-N, topk-D-B-N or eagle2[-N-D-B]")
+    tree = trees[kind](*map(int, args))
     return dict(tree=tree, num_speculative_tokens=tree.size)
 
 

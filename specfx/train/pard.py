@@ -149,12 +149,11 @@ class PardTrain(DraftTrain):
         tokens, pos, mask, labels, depth = pard_layout(ids, self.k, self.mask_token, kept)
         out = self.module(input_ids=tokens, position_ids=pos, attention_mask=mask).logits
         loss = F.cross_entropy(out.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+        valid = labels >= 0
         if self.distill > 0:  # entry (t, j) predicts x_{t+1+j}: the target's logits at position t + j
-            valid = labels >= 0
             teacher = logits[:, pos[0].clamp(max=ids.shape[1] - 1)]  # [B, S, V]
             loss = (1 - self.distill) * loss + self.distill * soft_ce(out[valid], teacher[valid])
-        hit = (out.argmax(-1) == labels) & (labels >= 0)
-        valid = labels >= 0
+        hit = (out.argmax(-1) == labels) & valid
         self.depth_acc = [
             (hit[:, depth == j].sum() / valid[:, depth == j].sum().clamp(min=1)).item() for j in range(self.k)
         ]

@@ -25,6 +25,7 @@ from specfx.engine.host import OverlappedReads, finish, make_replay, overlap_rea
 from specfx.engine.plan import RoundShape, check_stateful, plan_rounds
 from specfx.engine.state import StateSlots, load_request, model_signature
 from specfx.engine.stats import SpecStats
+from specfx.engine.trace_gate import gated
 from specfx.engine.tree_round import tree_round_step
 from specfx.model.hf_names import penalty_counts_left_padding
 from specfx.model.runner import ModelRunner
@@ -180,8 +181,7 @@ class SpeculativeGenerator:
 
     @property
     def method(self) -> str:
-        """The speculation method in use: the drafter's name ("draft_model", "prompt_lookup",
-        "early_exit", "mtp", ...)."""
+        """The speculation method in use: the drafter's name ("draft_model", "prompt_lookup", "mtp", ...)."""
         return self.drafter.name
 
     @property
@@ -238,18 +238,19 @@ class SpeculativeGenerator:
         return self.graph_cache.live_bound(prompt_width + max_new_tokens + self.k + 2, self.state_slots.shape[1])
 
     def _variant(self, kind: str, shape: RoundShape, bucket: int | None = None, *, now: bool = False) -> Callable:
-        """The callable for one graph variant (a round of ``shape``, or the prefill of prompt
-        ``bucket`` in ``shape``'s mode): eager, or compiled on first use (:class:`GraphCache`).
-        Compiling in the background (decision 67), a round not compiled yet runs eagerly while
-        it compiles, unless ``now`` (compile it here, or wait for the compile under way)."""
+        """The callable for one graph variant (a round of ``shape``, or the prefill of prompt ``bucket`` in
+        ``shape``'s mode): eager (never beside a compile's trace, decision 101), or compiled on first use
+        (:class:`GraphCache`); compiling in the background (decision 67), a round not compiled yet runs
+        eagerly meanwhile, unless ``now`` (compile it here, or wait for the compile under way)."""
         impl = SpeculativeGenerator._round_impl if kind == "round" else SpeculativeGenerator._prefill_impl
+        eager = gated(types.MethodType(impl, self))
         if not (self.spec_config.compile and (kind == "round" or self.spec_config.compile_prefill)):
-            return types.MethodType(impl, self)
+            return eager
         self._prepare_taps(shape, bucket)
         what = shape.graph_id if kind == "round" else (bucket, shape.mode, shape.collect)
         args = (shape,) if kind == "round" and not now else None
         fn = self.graph_cache.variant(self.graph_key(kind, *what), impl, self, args)
-        return types.MethodType(impl, self) if fn is None else fn  # None: still compiling, run it eagerly
+        return eager if fn is None else fn  # None: still compiling, run it eagerly
 
     def wait_for_graphs(self, timeout: float | None = None) -> bool:
         """Wait until the round graphs compiling in the background (``SpecConfig.background_compile``,
@@ -284,11 +285,10 @@ class SpeculativeGenerator:
             self.target_runner.prepare_taps(batch, shape.draft_tokens + 1, taps, record=self.target_runner.stateful)
 
     def round_fn(self, k: int | None = None, sample: Mode | bool | None = None, collect: bool = False) -> Callable:
-        """One round of the allocated state (after a ``generate()`` call) as a callable
-        returning ``(tokens [B, K+1], n_emitted [B])``; for benchmarks. K defaults to the
-        largest K (or the tree); ``sample`` chooses the sampling round with every processing
-        stage in the graph (True), the greedy one (False), or a Mode; None (default): the last
-        call's graph."""
+        """One round of the allocated state (after a ``generate()`` call) as a callable returning
+        ``(tokens [B, K+1], n_emitted [B])``; for benchmarks. K defaults to the largest K (or the tree);
+        ``sample`` chooses the sampling round with every processing stage in the graph (True), the
+        greedy one (False), or a Mode; None (default): the last call's graph."""
         if self.state is None:
             raise RuntimeError("round_fn(): no state yet; call generate() once first.")
         shape = self.round_shape(k, self._last_mode if sample is None else as_mode(sample), collect)

@@ -29,6 +29,9 @@ part of the graphs' guards). The variant the host loop asks for next goes to the
 queue. Only round graphs compile here: prefill graphs (``compile_prefill``) and callers that
 need the graph now (``round_fn()``, the "auto" timing) compile in the foreground, waiting for a
 compile already under way rather than starting a second one.
+
+While a worker is in Dynamo's part of a compile, the host threads' eager rounds wait
+(:mod:`specfx.engine.trace_gate`, decision 101).
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
 import torch
+
+from specfx.engine.trace_gate import GATE, pin_fake_device_guard
 
 __all__ = [
     "PROVISIONAL_COST",
@@ -83,10 +88,12 @@ class CompileOnly:
 
 
 def compile_only(backend: Callable) -> Callable:
-    """``backend`` whose graphs are :class:`CompileOnly`."""
+    """``backend`` whose graphs are :class:`CompileOnly`; while it runs (Inductor), the gate is
+    open to eager calls."""
 
     def wrapped(gm, example_inputs):
-        return CompileOnly(backend(gm, example_inputs))
+        with GATE.opened():
+            return CompileOnly(backend(gm, example_inputs))
 
     wrapped.__name__ = getattr(backend, "__name__", "backend")
     return wrapped
@@ -96,7 +103,7 @@ def run_compile_only(compiled_fn: Callable, *args) -> None:
     """Make the first (compiling) call of ``compiled_fn`` without running its graph."""
     _worker.compiling = True
     try:
-        with torch.inference_mode(False), torch.no_grad():
+        with torch.inference_mode(False), torch.no_grad(), GATE.traced():
             compiled_fn(*args)
     except NotRun:
         return
@@ -146,6 +153,7 @@ class BackgroundCompiler:
     """A queue of compile jobs (``key -> job()``) run one at a time on a worker thread."""
 
     def __init__(self, name: str = "specfx-compile"):
+        pin_fake_device_guard()  # from the thread that creates the generator, before any worker
         self.name = name
         self._cond = threading.Condition()
         self._queue: OrderedDict[Hashable, Callable[[], None]] = OrderedDict()

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from specfx.engine.background import BackgroundCompiler, compile_only, exiting, run_compile_only
+from specfx.engine.trace_gate import GATE, opens_gate, pin_fake_device_guard
 from specfx.model.dynamo import back_reference, fresh_code, release_code
 from specfx.passes.backend import GraphRecords, make_backend
 from specfx.passes.rewrites.live_kv import LiveKV
@@ -90,6 +91,7 @@ class GraphCache:
         background: bool = False,
         inductor_options: dict | None = None,
     ):
+        pin_fake_device_guard()  # any compile, foreground ones in a caller's thread too (decision 101)
         self.records = GraphRecords()
         self.backend_name = backend if isinstance(backend, str) else None
         self.inductor_options = inductor_options  # SpecConfig.inductor_options: patches for our compiles only
@@ -200,7 +202,7 @@ class GraphCache:
         """Compile variant ``key`` on its first call, in the caller's thread."""
         bound = bind_weakly(impl, owner)
         self._codes[key] = bound.__code__
-        compiled_fn = torch.compile(bound, backend=self._compiler(key), fullgraph=True, dynamic=False)
+        compiled_fn = torch.compile(bound, backend=opens_gate(self._compiler(key)), fullgraph=True, dynamic=False)
 
         def first_call(*args):
             # the host loop may call this object several times (rounds_per_sync > 1)
@@ -209,7 +211,8 @@ class GraphCache:
             logger.info("specfx: compiling the %s graph for %s (first use of this variant)", key[0], key[1:])
             start = time.monotonic()
             try:
-                result = compiled_fn(*args)
+                with GATE.traced():  # no other thread's eager call beside the trace (decision 101)
+                    result = compiled_fn(*args)
             except BaseException:
                 self.drop(key)  # a failed compile is retried next time, not kept
                 raise

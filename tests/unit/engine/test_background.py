@@ -140,7 +140,9 @@ def test_a_failed_background_compile_raises_at_the_next_call(target, one_thread)
 
     spec = specfx.speculate(target, draft="prompt_lookup", num_speculative_tokens=2, backend=broken, background_compile=True)
     ref = target.generate(PROMPT, max_new_tokens=8)
+    hold = Hold(spec)  # else the compile may fail before the call ends, and its next window raises
     assert torch.equal(spec.generate(PROMPT, max_new_tokens=8), ref)  # eager meanwhile
+    hold.release.set()
     assert spec.wait_for_graphs(timeout=120)
     with pytest.raises(Exception, match="no compiler here"):  # compiled in the foreground: its error surfaces
         spec.generate(PROMPT, max_new_tokens=8)
@@ -343,3 +345,92 @@ def test_a_real_compile_cut_short_by_exit_is_not_reported_as_a_failure():
     assert result.returncode == 0, result.stderr
     assert "stopping the round-graph compile under way" in result.stderr  # a compile was cut short
     assert "failed" not in result.stderr and "foreground" not in result.stderr, result.stderr
+
+
+class Shared:
+    """Module state an eager forward holds a dict in while it runs, as transformers 5.25's ``kernels``
+    decorators do (``_ACTIVE_KERNEL_FUNCS``): a trace that iterates it guards on its keys' order."""
+
+    value = None
+
+
+SHARED = Shared()
+
+
+def reads_shared(owner, x):
+    d = SHARED.value
+    if d is not None:
+        for k in d:
+            x = x + d[k]
+    return x * 2
+
+
+def test_a_background_trace_never_reads_an_eager_call_half_way(one_thread):
+    """Decision 101. Without the gate the worker traced while the eager call held the dict, and
+    built its guards after the call had reset it: the compile failed (Dynamo: "Expected dict, got
+    NoneType"). With it, the trace waits for the eager call to end."""
+    from specfx.engine.background import GATE
+    from specfx.engine.graphs import GraphCache
+
+    in_backend, reset = threading.Event(), threading.Event()
+
+    def backend(gm, example_inputs):
+        in_backend.set()  # the trace is over: what it read is in the graph
+        assert reset.wait(30)  # the guards are built after the eager call below has reset the state
+        return gm.forward
+
+    class Owner:
+        pass
+
+    owner, x = Owner(), torch.ones(3)
+    cache = GraphCache(backend, 4, False, owner=owner, background=True)
+    key = ("round", 1, 8, 0)
+    with GATE.eager():  # what a generator's eager round runs under
+        SHARED.value = {"a": 1.0}
+        assert cache.variant(key, reads_shared, owner, (x,)) is None  # queued: the worker starts now
+        traced_beside_us = in_backend.wait(2)
+        SHARED.value = None
+        reset.set()
+    assert cache.wait(60)
+    assert not traced_beside_us and key not in cache._failed
+    fn = cache.ready(key)
+    assert fn is not None and torch.equal(fn(x), x * 2)
+
+
+def test_eager_rounds_of_a_compiling_generator_pass_the_gate(target, one_thread, monkeypatch):
+    from specfx.engine import background
+
+    entered = []
+    real = background.GATE.eager
+    monkeypatch.setattr(background.GATE, "eager", lambda: (entered.append(1), real())[1])
+    spec = specfx.speculate(target, draft="prompt_lookup", num_speculative_tokens=2, backend="specfx_eager", background_compile=True)
+    hold = Hold(spec)
+    assert torch.equal(spec.generate(PROMPT, max_new_tokens=12), target.generate(PROMPT, max_new_tokens=12))
+    assert len(entered) >= 1 + 12 // 3  # the prefill and every (eager) round
+    hold.release.set()
+    assert spec.wait_for_graphs(timeout=120)
+
+
+def test_a_second_worker_compiles_after_the_first_has_ended():
+    """Decision 101. On torch 2.11's CUDA build without a GPU (CI's minimum leg), the first trace
+    in a worker installed a device guard that died with the worker, and the next worker's trace
+    crashed the process (exit status 139). In a fresh process: its first trace is a worker's."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import torch, specfx
+        from specfx.testing.tiny import tiny_causal_lm
+        target, prompt = tiny_causal_lm("llama"), torch.tensor([[5, 9, 3, 7, 5, 9, 3, 7, 5, 9, 3, 11, 4]])
+        spec = specfx.speculate(target, draft="prompt_lookup", num_speculative_tokens=2, backend="specfx_eager",
+                                background_compile=True)
+        for n in (8, 200):  # the longer call raises the live-KV bound: a new graph, compiled by a new worker
+            assert torch.equal(spec.generate(prompt, max_new_tokens=n), target.generate(prompt, max_new_tokens=n))
+            assert spec.wait_for_graphs(60) and spec.graph_cache.background._thread is None  # the worker ended
+        print(sorted(e.key[-1] for e in spec.compile_events if e.background))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    bounds = eval(result.stdout.strip().splitlines()[-1])
+    assert len(bounds) == 2 and bounds[0] < bounds[1]

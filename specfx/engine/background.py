@@ -53,6 +53,7 @@ __all__ = [
     "PROVISIONAL_COST",
     "BackgroundCompiler",
     "CompileOnly",
+    "GuardsFailed",
     "NotRun",
     "exiting",
     "provisional_times",
@@ -93,21 +94,51 @@ def compile_only(backend: Callable) -> Callable:
 
     def wrapped(gm, example_inputs):
         with GATE.opened():
-            return CompileOnly(backend(gm, example_inputs))
+            graph = CompileOnly(backend(gm, example_inputs))
+        _worker.backend_done = True
+        return graph
 
     wrapped.__name__ = getattr(backend, "__name__", "backend")
     return wrapped
 
 
-def run_compile_only(compiled_fn: Callable, *args) -> None:
-    """Make the first (compiling) call of ``compiled_fn`` without running its graph."""
-    _worker.compiling = True
+class GuardsFailed(Exception):  # noqa: N818 (names what happened, like NotRun)
+    """A background compile failed after its backend had compiled the graph, i.e. while Dynamo
+    built its guards: the state the trace read had changed meanwhile (decision 101: a model call
+    on another thread that specfx does not gate). The same compile again usually succeeds, and
+    cheaply: Inductor's cache has the graph."""
+
+
+class _WorkerGuardErrors(logging.Filter):
+    """Drops torch's "Error while creating guard" records emitted by a worker's compile-only
+    call (the worker retries it and reports what remains: :class:`GuardsFailed`); other threads'
+    records pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(_worker, "compiling", False)
+
+
+_GUARD_LOG = logging.getLogger("torch._guards")
+
+
+def run_compile_only(compiled_fn: Callable, *args, inductor: bool = False) -> None:
+    """Make the first (compiling) call of ``compiled_fn`` without running its graph; an error
+    after the backend has compiled the graph is raised as :class:`GuardsFailed`. ``inductor``:
+    its backend is Inductor's (``TraceGate.traced``)."""
+    _worker.compiling, _worker.backend_done = True, False
+    quiet = _WorkerGuardErrors()
+    _GUARD_LOG.addFilter(quiet)  # for this call only; it filters this thread's records only
     try:
-        with torch.inference_mode(False), torch.no_grad(), GATE.traced():
+        with torch.inference_mode(False), torch.no_grad(), GATE.traced(inductor):
             compiled_fn(*args)
     except NotRun:
         return
+    except Exception as e:
+        if _worker.backend_done:
+            raise GuardsFailed(f"{type(e).__name__}: {e}") from e
+        raise
     finally:
+        _GUARD_LOG.removeFilter(quiet)
         _worker.compiling = False
     raise RuntimeError("specfx: the background compile ran the graph instead of only compiling it")
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specfx.engine.background import BackgroundCompiler, compile_only, exiting, run_compile_only
+from specfx.engine.background import BackgroundCompiler, GuardsFailed, compile_only, exiting, run_compile_only
 from specfx.engine.trace_gate import GATE, opens_gate, pin_fake_device_guard
 from specfx.model.dynamo import back_reference, fresh_code, release_code
 from specfx.passes.backend import GraphRecords, make_backend
@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 # backends that run specfx's pass pipeline, hence the live-KV cut (decision 45)
 LIVE_BACKENDS = ("specfx", "specfx_eager")
+GUARD_RETRIES = 2  # a background compile whose guards failed is made again, this many times (decision 101)
 
 
 @dataclass
@@ -211,7 +212,7 @@ class GraphCache:
             logger.info("specfx: compiling the %s graph for %s (first use of this variant)", key[0], key[1:])
             start = time.monotonic()
             try:
-                with GATE.traced():  # no other thread's eager call beside the trace (decision 101)
+                with GATE.traced(self.backend_name == "specfx"):  # no eager call beside the trace (decision 101)
                     result = compiled_fn(*args)
             except BaseException:
                 self.drop(key)  # a failed compile is retried next time, not kept
@@ -233,42 +234,53 @@ class GraphCache:
         owner_ref = weakref.ref(owner)
 
         def job():
-            owner = owner_ref()
-            if owner is None or not self._current(owner, key):  # its state is gone: queued again when needed
-                self._forget(key)
-                return
-            code = bind_weakly(impl, owner)
-            compiled_fn = torch.compile(code, backend=compile_only(self._compiler(key)), fullgraph=True, dynamic=False)
-            logger.info("specfx: compiling the %s graph for %s in the background", key[0], key[1:])
-            start = time.monotonic()
-            try:
-                run_compile_only(compiled_fn, *args)
-            except Exception as e:
-                release_code(code.__code__)
-                if not self._current(owner, key):  # the state was reallocated under the trace
+            for attempt in range(1 + GUARD_RETRIES):
+                owner = owner_ref()
+                if owner is None or not self._current(owner, key):  # its state is gone: queued again when needed
                     self._forget(key)
                     return
-                # the foreground compile of the next call raises it where it belongs (at exit
-                # there is none: the interpreter refused the compile's thread pools, as intended)
-                log = logger.debug if exiting() else logger.warning
-                log("specfx: the background compile of %s failed (%s); it will compile in the foreground", key, e)
-                with self._lock:
-                    self._wanted.discard(key)
-                    self._failed.add(key)
-                return
-            with self._lock:
-                if key not in self._wanted:  # dropped meanwhile (an outgrown bound, evicted)
-                    release_code(code.__code__)
+                if not self._compile_in_background(key, impl, owner, args, retry=attempt < GUARD_RETRIES):
                     return
-                self._wanted.discard(key)
-                self._codes[key] = code.__code__
-                self._variants[key] = compiled_fn
-                self.compile_events.append(CompileEvent(key, time.monotonic() - start, background=True))
-                self._evict()
+                del owner
 
         with self._lock:
             self._wanted.add(key)
         self.background.submit(key, job, first=True)
+
+    def _compile_in_background(self, key: tuple, impl: Callable, owner, args: tuple, retry: bool) -> bool:
+        """One background compile of variant ``key``; True: compile it again (its guards failed)."""
+        code = bind_weakly(impl, owner)
+        compiled_fn = torch.compile(code, backend=compile_only(self._compiler(key)), fullgraph=True, dynamic=False)
+        logger.info("specfx: compiling the %s graph for %s in the background", key[0], key[1:])
+        start = time.monotonic()
+        try:
+            run_compile_only(compiled_fn, *args, inductor=self.backend_name == "specfx")
+        except Exception as e:
+            release_code(code.__code__)
+            if not self._current(owner, key):  # the state was reallocated under the trace
+                self._forget(key)
+                return False
+            if retry and isinstance(e, GuardsFailed):
+                logger.info("specfx: the guards of the %s graph for %s failed (%s); compiling it again", key[0], key[1:], e)
+                return True
+            # the foreground compile of the next call raises it where it belongs (at exit
+            # there is none: the interpreter refused the compile's thread pools, as intended)
+            log = logger.debug if exiting() else logger.warning
+            log("specfx: the background compile of %s failed (%s); it will compile in the foreground", key, e)
+            with self._lock:
+                self._wanted.discard(key)
+                self._failed.add(key)
+            return False
+        with self._lock:
+            if key not in self._wanted:  # dropped meanwhile (an outgrown bound, evicted)
+                release_code(code.__code__)
+                return False
+            self._wanted.discard(key)
+            self._codes[key] = code.__code__
+            self._variants[key] = compiled_fn
+            self.compile_events.append(CompileEvent(key, time.monotonic() - start, background=True))
+            self._evict()
+        return False
 
     def _forget(self, key: tuple) -> None:
         with self._lock:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["GATE", "GATE_PATIENCE", "TraceGate", "gated", "opens_gate", "pin_fake_device_guard"]
+__all__ = ["GATE", "GATE_PATIENCE", "TraceGate", "gated", "opens_gate", "pin_fake_device_guard", "prime_inductor"]
 
 logger = logging.getLogger(__name__)
 
@@ -100,12 +100,17 @@ class TraceGate:
             self._cond.notify_all()
 
     @contextlib.contextmanager
-    def traced(self):
+    def traced(self, inductor: bool = False):
         """Hold the gate alone for a compile's Dynamo phases; Dynamo's compile lock is taken
-        first, so that two workers, or a worker and a foreground compile, never hold one each."""
+        first, so that two workers, or a worker and a foreground compile, never hold one each.
+        ``inductor``: the compile is Inductor's (:func:`prime_inductor`, under the hold)."""
+        if inductor:
+            _import_inductor()  # seconds, once: not while holding the gate
         with _dynamo_compile_lock():
             self.acquire()
             try:
+                if inductor:
+                    prime_inductor()
                 yield
             finally:
                 self.release()
@@ -176,3 +181,36 @@ def pin_fake_device_guard() -> None:
         ensure = getattr(torch._C, "_ensureCUDADeviceGuardSet", None)
         if ensure is not None and torch.version.cuda is not None and not torch.cuda.is_available():
             ensure()
+
+
+_primed = False
+
+
+def _import_inductor():
+    try:
+        import torch._inductor.loop_body  # noqa: F401 (imported for prime_inductor)
+    except ImportError:
+        pass
+
+
+def prime_inductor() -> None:
+    """Make Inductor's one plain ``torch.fx.symbolic_trace`` of the process now (decision 101).
+
+    Inductor traces a dummy function once per process (``InterpreterShim._dummy_gm``, cached)
+    with torch.fx's symbolic tracer, which replaces ``torch.nn.Module.__call__`` process-wide for
+    the few milliseconds of that trace: a model call on another thread meanwhile raised
+    ``NameError: module is not installed as a submodule`` (a user's ``generate()`` beside the first
+    background compile, seen on SmolLM2). Called under the gate's hold, before the first compile's
+    trace, so no specfx eager round runs beside it. Inductor's other traces (make_fx's tracer) pass
+    a foreign module call through untouched."""
+    global _primed
+    if _primed:
+        return
+    _primed = True
+    try:
+        from torch._inductor.loop_body import InterpreterShim
+
+        dummy = InterpreterShim._dummy_gm
+    except (ImportError, AttributeError):  # another torch: nothing to prime
+        return
+    dummy()

@@ -8,6 +8,7 @@ Inductor: these tests are fast and not marked ``compiled``).
 from __future__ import annotations
 
 import gc
+import logging
 import threading
 import weakref
 
@@ -397,6 +398,53 @@ def test_a_background_trace_never_reads_an_eager_call_half_way(one_thread):
     assert fn is not None and torch.equal(fn(x), x * 2)
 
 
+class Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record.getMessage())
+
+
+def test_guards_failed_by_an_ungated_model_call_are_compiled_again(one_thread, caplog):
+    """Decision 101. A model call specfx does not gate (the user's own, e.g. HF ``generate()`` on
+    another thread) changed the state between the trace and the guards: the compile is made again
+    in the background, not left to the foreground, and torch's error log of it is not shown."""
+    from specfx.engine.graphs import GraphCache
+
+    in_backend, reset, traces = threading.Event(), threading.Event(), []
+
+    def backend(gm, example_inputs):
+        traces.append(len(gm.graph.nodes))
+        in_backend.set()
+        assert reset.wait(30)
+        return gm.forward
+
+    class Owner:
+        pass
+
+    owner, x = Owner(), torch.ones(3)
+    cache = GraphCache(backend, 4, False, owner=owner, background=True)
+    key = ("round", 1, 8, 0)
+    SHARED.value = {"a": 1.0}  # the user's forward, under way (not through the gate)
+    assert cache.variant(key, reads_shared, owner, (x,)) is None
+    assert in_backend.wait(30)  # traced with the dict
+    SHARED.value = None  # the user's forward ended before the guards
+    torch_errors = Records()
+    logging.getLogger("torch._guards").addHandler(torch_errors)  # torch's loggers do not propagate to caplog's
+    try:
+        with caplog.at_level(logging.INFO):
+            reset.set()
+            assert cache.wait(60)
+    finally:
+        logging.getLogger("torch._guards").removeHandler(torch_errors)
+    assert len(traces) == 2 and traces[0] > traces[1]  # traced again, without the dict's additions
+    assert key not in cache._failed and [e.key for e in cache.compile_events] == [key]
+    assert torch.equal(cache.ready(key)(x), x * 2)
+    assert "compiling it again" in caplog.text and torch_errors.records == []
+
+
 def test_eager_rounds_of_a_compiling_generator_pass_the_gate(target, one_thread, monkeypatch):
     from specfx.engine import background
 
@@ -434,3 +482,31 @@ def test_a_second_worker_compiles_after_the_first_has_ended():
     assert result.returncode == 0, result.stderr[-2000:]
     bounds = eval(result.stdout.strip().splitlines()[-1])
     assert len(bounds) == 2 and bounds[0] < bounds[1]
+
+
+def test_inductors_one_plain_fx_trace_runs_under_the_gate():
+    """Decision 101. torch.fx's plain symbolic tracer replaces ``nn.Module.__call__`` process-wide
+    while it traces, and Inductor runs it once per process (a dummy graph); a model call on another
+    thread meanwhile raised NameError. It now runs first, under the gate's hold, and is cached."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import torch.fx._symbolic_trace as st
+        from specfx.engine.trace_gate import GATE
+        seen, trace = [], st.Tracer.trace
+        def spy(self, *args, **kwargs):
+            if type(self) is st.Tracer:
+                seen.append(GATE._tracing and GATE._local.held)
+            return trace(self, *args, **kwargs)
+        st.Tracer.trace = spy
+        with GATE.traced(inductor=True):
+            pass
+        from torch._inductor.loop_body import InterpreterShim
+        InterpreterShim._dummy_gm()  # what Inductor calls in a compile's code generation
+        print(seen)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "[True]"

@@ -120,7 +120,7 @@ def perturbed_copy(model, noise: float, seed: int = 1):
     with torch.no_grad():
         for p in draft.parameters():
             spread = p.std() if p.numel() > 1 else p.abs().reshape(())
-            p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * noise * spread.clamp_min(1e-3))
+            p.add_(torch.randn(p.shape, generator=g).to(p.device, p.dtype) * noise * spread.clamp_min(1e-3))
     return draft
 
 

@@ -253,6 +253,7 @@ def main(argv=None):
     SETTINGS.only = [x for x in args.only.split(",") if x]
     deadline = time.monotonic() + args.deadline_s
     out = Path(args.out_dir) / "gpu_check.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     results: dict = {}
 
     def save():

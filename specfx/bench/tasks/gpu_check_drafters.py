@@ -36,16 +36,27 @@ def left_padded(length, pads, seed=0, vocab=128):
 
 
 class SkipLog(logging.Handler):
-    """Collects Inductor's "skipping cudagraphs due to ..." messages."""
+    """Collects Inductor's "skipping cudagraphs due to ..." messages, and specfx's own warnings
+    (a background compile that failed, so its rounds ran eagerly until a foreground compile)."""
 
     def __init__(self):
         super().__init__(logging.DEBUG)
         self.messages = []
+        self.specfx_warnings = []
 
     def emit(self, record):
         msg = record.getMessage()
-        if "cudagraph" in msg.lower() and "skip" in msg.lower():
+        if record.name.startswith("specfx") and record.levelno >= logging.WARNING:
+            self.specfx_warnings.append(msg if len(msg) <= 2400 else msg[:600] + " [...] " + msg[-1800:])
+        elif "cudagraph" in msg.lower() and "skip" in msg.lower():
             self.messages.append(msg[:400])
+
+
+def error_text(e: BaseException) -> str:
+    """An exception's text for the JSON: its head and its tail (Dynamo's errors end with the
+    user code it was tracing, which says where an unsupported operation came from)."""
+    text = f"{type(e).__name__}: {e}"
+    return text if len(text) <= 3000 else text[:600] + " [...] " + text[-2400:]
 
 
 def profile_generate(fn, rounds_before, spec):
@@ -119,6 +130,7 @@ def check_drafter(name, kwargs, target, skiplog, batch1=False):
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     rec = dict(name=name)
     skiplog.messages.clear()
+    skiplog.specfx_warnings.clear()
     t0 = time.monotonic()
     spec = specfx.speculate(target, compile=True, backend=SETTINGS.backend, **kwargs)
     gen = dict(max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -152,12 +164,13 @@ def check_drafter(name, kwargs, target, skiplog, batch1=False):
         rec["sync_free_rounds"] = True
     except Exception as e:  # noqa: BLE001
         rec["sync_free_rounds"] = False
-        rec["sync_error"] = f"{type(e).__name__}: {e}"[:600]
+        rec["sync_error"] = error_text(e)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     rec["profile"] = profile_generate(lambda: spec.generate(ids, **gen), 0, spec)
     rec["compile_events_after"] = [str(e.key) for e in spec.compile_events]
+    rec["specfx_warnings"] = list(skiplog.specfx_warnings)
     rec["ok"] = ok and rec["sync_free_rounds"] and not rec["cudagraph_skips"]
     return rec
 
@@ -173,7 +186,7 @@ def skip_log() -> SkipLog:
     if _SKIPLOG is None:
         _SKIPLOG = SkipLog()
         if SETTINGS.device.type == "cuda":
-            for lname in ("torch._inductor", "torch._inductor.cudagraph_trees", "torch._inductor.utils"):
+            for lname in ("torch._inductor", "torch._inductor.cudagraph_trees", "torch._inductor.utils", "specfx"):
                 logging.getLogger(lname).addHandler(_SKIPLOG)
             torch._logging.set_logs(perf_hints=True)  # "skipping cudagraphs due to ..." is a perf hint
     return _SKIPLOG

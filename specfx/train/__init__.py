@@ -72,7 +72,7 @@ def build_head(cfg: TrainConfig, runner, stream, tokenizer, log=print) -> TrainH
         if token is None and cfg.init is None:
             token = default_mask_token(runner.model.config, tokenizer)
         head = DFlashTrain(runner, cfg.init, cfg.seed, cfg.dflash_block, cfg.draft_layers, token, cfg.dflash_anchors,
-                           cfg.dflash_gamma)  # fmt: skip
+                           cfg.dflash_gamma, cfg.dflash_taps)  # fmt: skip
         _warn_mask_in_data(head, stream, "DFlash", "--dflash-token", log)
         return head
     if cfg.head == "draft":
@@ -374,6 +374,14 @@ def parser() -> argparse.ArgumentParser:
             default = getattr(defaults, name)
             p.add_argument("--" + name.replace("_", "-"), type=kind, default=default,
                            help=f"--head {head}: {text}" + (f"; default {default}" if default is not None else ""))  # fmt: skip
+    p.add_argument(
+        "--dflash-taps",
+        type=int,
+        nargs="+",
+        default=None,
+        help="--head dflash: the target layers whose outputs the draft reads (its config's target_layer_ids; default "
+        "the reference's spread for --draft-layers: one layer reads the middle layer only)",
+    )
     p.add_argument("--lr", type=float, default=defaults.lr, help=f"peak learning rate, AdamW (default {defaults.lr})")
     p.add_argument("--weight-decay", type=float, default=defaults.weight_decay, help="AdamW weight decay (default 0)")
     p.add_argument(

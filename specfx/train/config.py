@@ -50,6 +50,7 @@ class TrainConfig:
     dflash_token: int | None = None
     dflash_anchors: int = 512
     dflash_gamma: float | None = None
+    dflash_taps: list[int] | None = None
     eval_prompts: int = 4
     eval_prompt_len: int = 64
     eval_new_tokens: int = 48

@@ -56,14 +56,20 @@ class DFlashTrain(TrainHead):
 
     kind = "dflash"
 
-    def __init__(self, runner, init, seed, block_size, layers, mask_token, anchors, gamma):
+    def __init__(self, runner, init, seed, block_size, layers, mask_token, anchors, gamma, taps=None):
         if init is not None:
+            if taps is not None:
+                raise ValueError("--dflash-taps: an --init draft reads the taps its config names; leave the flag out.")
             drafter = DFlash(init)
         else:
             vocab = runner.model.get_input_embeddings().weight.shape[0]
             token = vocab - 1 if mask_token is None else mask_token
+            if taps is not None:
+                depth = runner.model.config.get_text_config().num_hidden_layers
+                if not taps or len(set(taps)) != len(taps) or not all(0 <= i < depth for i in taps):
+                    raise ValueError(f"--dflash-taps {taps}: distinct target layers in 0 .. {depth - 1}, one at least.")
             drafter = DFlash.random(
-                runner.model, block_size=block_size, num_layers=layers, mask_token_id=token, seed=seed
+                runner.model, block_size=block_size, num_layers=layers, layer_ids=taps, mask_token_id=token, seed=seed
             )
         drafter.bind(runner)
         self.drafter, self.taps, self.module = drafter, drafter.taps, drafter.head.train()

@@ -90,3 +90,20 @@ def test_dflash_from_init_keeps_its_mask_token_and_bad_options_are_refused(one_t
     assert main(args(tiny_dir, toy, tmp_path / "c", "--seq-len", "4", *common)) == 2  # shorter than a block
     with pytest.raises(SystemExit):
         main(args(tiny_dir, toy, tmp_path / "d", "--dflash-gamma"))
+
+
+def test_dflash_taps_are_the_ones_asked_for(one_thread, tiny_dir, toy, tmp_path):  # noqa: F811
+    common = ("--steps", "2", "--eval-prompts", "0")
+    depth = json.loads((tiny_dir / "config.json").read_text())["num_hidden_layers"]
+    assert main(args(tiny_dir, toy, tmp_path / "a", "--dflash-taps", "0", str(depth - 1), *common)) == 0
+    cfg = json.loads((tmp_path / "a" / "head" / "config.json").read_text())
+    assert cfg["dflash_config"]["target_layer_ids"] == [0, depth - 1]
+    assert load_file(str(tmp_path / "a" / "head" / "model.safetensors"))["fc.weight"].shape[1] == 2 * cfg["hidden_size"]
+    assert main(args(tiny_dir, toy, tmp_path / "b", *common)) == 0  # the reference's spread for one layer
+    assert json.loads((tmp_path / "b" / "head" / "config.json").read_text())["dflash_config"]["target_layer_ids"] == [
+        depth // 2
+    ]
+    for bad in (["0", "0"], [str(depth)], ["-1"]):
+        assert main(args(tiny_dir, toy, tmp_path / "c", "--dflash-taps", *bad, *common)) == 2
+    init = ("--init", str(tmp_path / "a" / "head"))
+    assert main(args(tiny_dir, toy, tmp_path / "d", *init, "--dflash-taps", "0", *common)) == 2

@@ -3,8 +3,11 @@
 gives greedy output equal to ``target.generate()`` on held-out prompts, and is actually trained
 (more than one token per round; an untrained head gives about 1). Eager, a few tokens."""
 
+from pathlib import Path
+
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 import specfx
 from specfx.cli import main
@@ -106,3 +109,24 @@ def test_bench_drafters_takes_named_drafters_and_auto(one_thread, tmp_path):
         assert f"| {name} |" in md, name
     assert "| 1 | hf_assisted@2 |" not in md  # --skip takes one name too
     assert "| prompt_lookup | α" in md and "| K = 2 | auto |" in md
+
+
+BLOCK_DRAFTS = Path(__file__).resolve().parents[3] / "benchmarks" / "data" / "demo_block_drafts"
+
+
+@pytest.mark.parametrize("name", ["dflash_target_outputs", "pard_target_outputs"])
+def test_kept_block_drafts_equal_the_target_and_are_trained(demo, name):
+    """The block drafts docs/BENCHMARKS.md measures (issue 28) load as saved and draft the demo
+    target's greedy output losslessly, several tokens a round (untrained: about 1)."""
+    target, _, tok = demo
+    head = BLOCK_DRAFTS / name / "head"
+    if name.startswith("pard"):
+        draft = specfx.Pard(AutoModelForCausalLM.from_pretrained(head, dtype=torch.float32).eval())
+    else:
+        draft = f"dflash:{head}"
+    spec = specfx.speculate(target, draft=draft, num_speculative_tokens=4, compile=False)
+    for p in demo_prompts()[:2]:
+        ids = tok(p["text"], return_tensors="pt").input_ids
+        ref = target.generate(ids, max_new_tokens=24, do_sample=False)
+        assert torch.equal(spec.generate(ids, max_new_tokens=24, do_sample=False), ref), name
+    assert spec.cumulative_stats.tokens_per_round > 2.0, spec.cumulative_stats

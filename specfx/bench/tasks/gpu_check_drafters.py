@@ -47,16 +47,15 @@ class SkipLog(logging.Handler):
     def emit(self, record):
         msg = record.getMessage()
         if record.name.startswith("specfx") and record.levelno >= logging.WARNING:
-            self.specfx_warnings.append(msg if len(msg) <= 2400 else msg[:600] + " [...] " + msg[-1800:])
+            self.specfx_warnings.append(head_and_tail(msg))
         elif "cudagraph" in msg.lower() and "skip" in msg.lower():
             self.messages.append(msg[:400])
 
 
-def error_text(e: BaseException) -> str:
-    """An exception's text for the JSON: its head and its tail (Dynamo's errors end with the
-    user code it was tracing, which says where an unsupported operation came from)."""
-    text = f"{type(e).__name__}: {e}"
-    return text if len(text) <= 3000 else text[:600] + " [...] " + text[-2400:]
+def head_and_tail(text: str, head: int = 600, tail: int = 2400) -> str:
+    """A long message for the JSON: its head and its tail (Dynamo's errors end with the user code
+    it was tracing, which says where an unsupported operation came from)."""
+    return text if len(text) <= head + tail else text[:head] + " [...] " + text[-tail:]
 
 
 def profile_generate(fn, rounds_before, spec):
@@ -164,7 +163,7 @@ def check_drafter(name, kwargs, target, skiplog, batch1=False):
         rec["sync_free_rounds"] = True
     except Exception as e:  # noqa: BLE001
         rec["sync_free_rounds"] = False
-        rec["sync_error"] = error_text(e)
+        rec["sync_error"] = head_and_tail(f"{type(e).__name__}: {e}")
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()

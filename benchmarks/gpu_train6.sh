@@ -6,6 +6,8 @@
 #           CPU 3.0 s/step (specfx/demo/smollm2_eagle3/MODEL_CARD.md); GPU run 6: 0.041 s/step (H100)
 #   dflash  the DFlash head, benchmarks/smollm2_pard_recipe.py TRAIN_DFLASH (cached features);
 #           CPU 7-11 s/step on the shared CPU (docs/BENCHMARKS.md, DFlash section; stopped at 150)
+#   dflash4 the same DFlash with blocks of 5 (K <= 4) and loss decay gamma 4, TRAIN_DFLASH_K4
+#           (decision 102: on the demo target this took DFlash's tau at K = 4 from 1.75 to 3.47)
 #   pard    the PARD draft: smollm2_pard_recipe's `init` (layers 0, 10, 20, 29 of the converted
 #           target, 42.5 M parameters) built on the machine, then its TRAIN flags with
 #           `--steps 800 --ckpt-every 100` (the recipe's 45 steps were what the CPU allowed) and
@@ -141,9 +143,10 @@ train)
   case "$HEAD" in
   eagle3) recipe_flags=smollm2_head_recipe.TRAIN; extra=(); cpu="3.0"; cpu_label="2 threads, MODEL_CARD.md" ;;
   dflash) recipe_flags=smollm2_pard_recipe.TRAIN_DFLASH; extra=(); cpu="7-11"; cpu_label="the shared CPU, BENCHMARKS' DFlash section" ;;
+  dflash4) recipe_flags=smollm2_pard_recipe.TRAIN_DFLASH_K4; extra=(); cpu="7-11"; cpu_label="as dflash (blocks of 5: a little less)" ;;
   pard)   # the recipe's 45 steps were what fit the CPU; here the EAGLE-3 head's budget (argparse keeps the last)
     recipe_flags=smollm2_pard_recipe.TRAIN; extra=(--steps 800 --ckpt-every 100); cpu="26"; cpu_label="one idle thread, BENCHMARKS' PARD section" ;;
-  *) echo "G6_HEAD=$HEAD: expected eagle3, dflash or pard"; exit 2 ;;
+  *) echo "G6_HEAD=$HEAD: expected eagle3, dflash, dflash4 or pard"; exit 2 ;;
   esac
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv >>"$LOG" 2>&1
   if [[ -n "${G6_CHECK:-}" ]]; then  # here: the parts split above play the calls' deposits

@@ -13,11 +13,13 @@ in docs/BENCHMARKS.md did 45 steps (what fit a session), 1/18 of the head's wind
     python benchmarks/smollm2_pard_recipe.py init  WORK     # WORK/init: the layer-pruned draft (safetensors)
     python benchmarks/smollm2_pard_recipe.py train WORK     # specfx train --head pard (resumes from WORK/pard/ckpt)
     python benchmarks/smollm2_pard_recipe.py dflash WORK    # specfx train --head dflash (resumes from WORK/dflash/ckpt)
+    python benchmarks/smollm2_pard_recipe.py dflash4 WORK   # the same, blocks of 5 and loss decay (WORK/dflash4)
 
 ``dflash`` trains the other block drafter on the same data, at the EAGLE-3 head's budget (800 steps of
 8 x 256 tokens, cached target features): two Qwen3-style layers over taps of target layers chosen
 by z-lab's rule for two draft layers, blocks of 9 (the pending token and 8 masks, so K <= 8),
 32 random anchors a window, the same mask id. Its draft is WORK/dflash/head (``draft="dflash:..."``).
+``dflash4`` is the same with blocks of 5 (K <= 4) and the loss decay gamma 4 (decision 102), in WORK/dflash4.
 
 The trained draft is WORK/pard/head (``draft="pard:WORK/pard/head"``); benchmarks/block_drafters.py
 measures it against the other drafters. ``--stop-after N`` after ``train`` ends that run at step N
@@ -47,6 +49,9 @@ TRAIN_DFLASH = [
     "--draft-layers", "2", "--steps", "800", "--batch-size", "8", "--seq-len", "256", "--cache-features",
     "--eval-prompts", "0", "--ckpt-every", "50", "--seed", "0",
 ]  # fmt: skip
+# Decision 102: a block drafter is trained for the K it drafts. On the demo target blocks of 5 and the loss
+# decay took DFlash's tau at K = 4 from 1.75 to 3.47; this is the same change for SmolLM2 (K <= 4).
+TRAIN_DFLASH_K4 = [*TRAIN_DFLASH[:2], "--dflash-block", "5", *TRAIN_DFLASH[4:], "--dflash-gamma", "4"]
 CHOICES = ((0, 1), (0, 1, 2, 3), (0, 1, 28, 29), (0, 1, 2, 29), (0, 10, 20, 29), (0, 15, 29))
 
 
@@ -126,7 +131,7 @@ def train(work: Path, extra=(), head="pard") -> None:
         start = ["--resume"]
     else:
         start = ["--init", str(init(work))] if head == "pard" else []
-    flags = TRAIN if head == "pard" else TRAIN_DFLASH
+    flags = {"pard": TRAIN, "dflash": TRAIN_DFLASH, "dflash4": TRAIN_DFLASH_K4}[head]
     data = ["--data", str(DATA / "answers1.jsonl"), "--data", str(DATA / "answers2.jsonl")]
     argv = ["-m", "specfx.train", "--target", str(smollm2_dir()), *data, "--out", str(out), *flags, *start, *extra]
     print("+", " ".join(argv), flush=True)
@@ -138,9 +143,10 @@ def main(argv=None) -> int:
     steps = {
         "pick": pick, "init": init, "train": lambda w: train(w, argv[2:]),
         "dflash": lambda w: train(w, argv[2:], head="dflash"),
+        "dflash4": lambda w: train(w, argv[2:], head="dflash4"),
     }  # fmt: skip
     if len(argv) < 2 or argv[0] not in steps:
-        print("usage: python benchmarks/smollm2_pard_recipe.py {pick,init,train,dflash} WORK [train flags]")
+        print("usage: python benchmarks/smollm2_pard_recipe.py {pick,init,train,dflash,dflash4} WORK [train flags]")
         return 2
     steps[argv[0]](Path(argv[1]))
     return 0

@@ -48,7 +48,9 @@ if TYPE_CHECKING:
 __all__ = ["Branching", "Drafter", "DynamicTreeDrafting", "TREE_DRAFTERS", "TreeDrafting", "branch_slots", "shape_refusal"]
 
 # The drafters that branch (speculate(tree=...)), named by the refusals of those that do not.
-TREE_DRAFTERS = "a draft model, prompt lookup, early exit (draft='early_exit:N'), a PARD draft, Medusa or EAGLE heads"
+TREE_DRAFTERS = (
+    "a draft model, prompt lookup, early exit (draft='early_exit:N'), a PARD or DFlash draft, Medusa or EAGLE heads"
+)
 
 
 class Drafter:

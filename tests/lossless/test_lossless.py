@@ -326,6 +326,19 @@ def test_pard_tree_sampling_matches_exact_distribution(case):
     assert _chisquare(samples, probs) > 1e-3
 
 
+@pytest.mark.parametrize("case", tiered(sorted(CASES), ["plain"]))
+def test_dflash_tree_sampling_matches_exact_distribution(case):
+    """DFlash's token tree (its block positions' ranked guesses, decision 103; every node a
+    deterministic choice): the three-branch tree's samples follow the target's distribution."""
+    target, _ = _models()
+    kwargs, warpers = CASES[case]
+    probs = _exact(target, [1, 4, 2], warpers)
+    drafter = specfx.DFlash.random(target, block_size=4, num_layers=1, layer_ids=[0, 1], mask_token_id=V - 1, seed=2)
+    samples, stats = _tree_samples(target, drafter, BRANCHES, **kwargs)
+    _assert_both_paths_at_several_depths(stats)
+    assert _chisquare(samples, probs) > 1e-3
+
+
 @pytest.mark.parametrize("case", tiered(sorted(CASES), [], ci=["plain"]))  # the warped case: pytest --full
 def test_dflash_sampling_matches_exact_distribution(case):
     """DFlash drafts its block greedily, as its reference does whatever the temperature (q

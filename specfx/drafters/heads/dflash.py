@@ -38,8 +38,15 @@ draft's (processed) softmax when sampling, and its assistant model applies its l
 window through the mask; specfx refuses sliding draft layers (see
 :mod:`specfx.drafters.heads.dflash_head`). Greedy, both draft the same tokens.
 
-Chains only (one block proposes one path): ``speculate(tree=...)`` is refused. K = 0 rounds
-("auto"'s plain decoding) leave the context behind, so the drafter is not ``resumable``.
+Token trees (``speculate(tree=TokenTree)``, decision 103; not in the reference, which drafts chains):
+the same block forward gives one distribution per block position that does not depend on the
+path (every position sees the pending token and masks, never a proposal), so a static tree of
+depth D <= ``block_size - 1`` is filled as PARD's and Medusa's are: the node with child ranks
+``(r_1, ..., r_d)`` gets the ``r_d``-th most likely token at position d. Every node is a
+deterministic choice, so tree verification stays lossless; a tree whose nodes are all first
+guesses proposes the chain's tokens. Dynamic (EAGLE-2) trees need path-dependent scores and are
+refused. K = 0 rounds ("auto"'s plain decoding) leave the context behind, so the drafter is not
+``resumable``.
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ from pathlib import Path
 
 import torch
 
-from specfx.drafters.base import Drafter
+from specfx.drafters.base import Drafter, TreeDrafting
 from specfx.drafters.heads.checkpoint import read_head, target_attention, warn_engine_gaps, write_head
 from specfx.drafters.heads.dflash_head import (
     KIND,
@@ -62,11 +69,12 @@ from specfx.drafters.heads.eagle_checkpoint import rope_keys
 from specfx.model.admission import streams_refusal
 from specfx.model.cache import SlotCache
 from specfx.model.runner import ModelRunner
+from specfx.trees.drafting import draft_positional_tree
 
 __all__ = ["DFlash", "DFlashHead", "from_name"]
 
 
-class DFlash(Drafter):
+class DFlash(TreeDrafting, Drafter):
     """A DFlash draft model from checkpoint directory ``path`` (z-lab's layout: config.json and
     safetensors; see :mod:`specfx.drafters.heads.dflash_head`). :meth:`random` makes one for a
     target (tests, training), :meth:`save` writes the layout back. Its parameters follow the
@@ -278,7 +286,9 @@ class DFlash(Drafter):
         self.cache.slots = slots
         self.head.write_context(context, positions, self.cache)
 
-    def propose(self, ctx):
+    def block_logits(self, ctx, k: int) -> torch.Tensor:
+        """The one draft forward of a round: the target's LM head on block positions ``1 .. k``,
+        logits ``[B, k, V]`` for the tokens at ``L + 1 .. L + k`` (k: the chain's K or the tree's depth)."""
         head, lengths = self.head, ctx.lengths  # [B]: the pending position L
         b, n = lengths.shape[0], head.block_size
         pending = ctx.tokens.gather(1, lengths.unsqueeze(1))  # [B, 1]
@@ -287,8 +297,13 @@ class DFlash(Drafter):
         positions = lengths.unsqueeze(1) + torch.arange(n, device=lengths.device)  # [B, n]
         visible = torch.arange(self.cache.capacity, device=lengths.device) < lengths.unsqueeze(1)  # [B, C]: committed
         out = head.block(noise, positions, self.cache, visible)  # [B, n, H]
-        logits = self.target.model.get_output_embeddings()(out[:, 1 : 1 + ctx.k])  # [B, K, V]
-        return logits.argmax(dim=-1), None  # greedy drafting, as the reference: q one-hot
+        return self.target.model.get_output_embeddings()(out[:, 1 : 1 + k])  # [B, k, V]
+
+    def propose(self, ctx):
+        return self.block_logits(ctx, ctx.k).argmax(dim=-1), None  # greedy drafting, as the reference: q one-hot
+
+    def propose_tree(self, ctx) -> torch.Tensor:
+        return draft_positional_tree(ctx, self.block_logits(ctx, ctx.token_tree.depth))  # [B, N]
 
 
 def from_name(arg: str | None) -> DFlash:

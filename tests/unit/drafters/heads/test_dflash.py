@@ -187,6 +187,40 @@ def test_proposals_equal_an_independent_reference_forward(arch, draft_dir, one_t
         assert _rounds_checked(target, DFlash(path), check, k) >= 8
 
 
+# a sparse tree of depth 3 (three guesses at depth 1, two under the first): BLOCK - 1 deep
+TREE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
+
+
+@pytest.mark.parametrize("arch", tiered(ARCHS, ("llama",), ci=("qwen3",)))
+def test_tree_nodes_are_the_reference_blocks_ranked_guesses(arch, draft_dir, one_thread):
+    """Token trees (decision 103): one block forward fills the tree, the node with child ranks
+    (r_1, ..., r_d) being the r_d-th most likely token of block position d in the independent
+    reference forward over the committed context; greedy output equals ``generate()`` (batch 1 and
+    a left-padded batch)."""
+    target, path = _target(arch), draft_dir(arch)
+    reference, drafter, tree = _Reference(target, path), DFlash(path), specfx.TokenTree(TREE)
+    rounds, propose_tree = [], drafter.propose_tree
+
+    def recording(ctx):
+        nodes = propose_tree(ctx)
+        rounds.append((ctx.lengths.clone(), ctx.tokens.clone(), nodes.clone()))
+        return nodes
+
+    drafter.propose_tree = recording
+    spec = specfx.speculate(target, draft=drafter, tree=tree, num_speculative_tokens=tree.size, compile=False)
+    _assert_greedy_equal(target, spec, prompt(5, seed=2))
+    rounds.clear()
+    ids, mask = left_padded(6, (0, 3), seed=5)
+    _assert_greedy_equal(target, spec, ids, mask)
+    checked = 0
+    for b, seq, nodes in active_rounds(rounds, mask.sum(dim=1).tolist(), 12):
+        ranked = reference.block_logits(seq).topk(3, dim=-1).indices  # [n, 3]: each block position's guesses
+        expected = [ranked[tree.depths[m], tree.ranks[m - 1]].item() for m in range(1, tree.size + 1)]
+        assert nodes[b].tolist() == expected
+        checked += 1
+    assert checked >= 8
+
+
 def test_the_reference_default_taps():
     """z-lab's ``build_target_layer_ids``: the middle layer for one draft layer, else spread."""
     assert default_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B-DFlash-b16's published ids
@@ -372,9 +406,13 @@ def test_a_wider_target_and_shapes_it_cannot_draft_are_refused(draft_dir):
         specfx.speculate(
             _target("llama"), draft=f"dflash:{draft_dir('llama')}", num_speculative_tokens=BLOCK, compile=False
         )
-    with pytest.raises(ValueError, match="chain only"):
+    with pytest.raises(ValueError, match=f"at most {BLOCK - 1}"):  # a tree deeper than the block
         specfx.speculate(
-            _target("llama"), draft=f"dflash:{draft_dir('llama')}", tree=specfx.TokenTree([(0,), (1,)]), compile=False
+            _target("llama"), draft=f"dflash:{draft_dir('llama')}", tree=specfx.TokenTree.topk(BLOCK, 1), compile=False
+        )
+    with pytest.raises(ValueError, match="dynamic tree"):  # EAGLE-2's trees need scores that see the path
+        specfx.speculate(
+            _target("llama"), draft=f"dflash:{draft_dir('llama')}", tree=specfx.TokenTree.eagle2(), compile=False
         )
 
 

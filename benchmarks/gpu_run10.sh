@@ -6,7 +6,9 @@
 #            CUDA but not compiled (Dynamo `Unsupported: setattr [type, str, int]`, traced only on
 #            CUDA; the error was cut before it named the class). The check now keeps the error's
 #            tail (the user code Dynamo was tracing) and specfx's warnings (a failed background
-#            compile and why), so this run says where it comes from.
+#            compile and why), so this run says where it comes from. (Session 37 found the cause on the
+#            CPU: round_fn() ran a compiled hybrid round without the mixer hooks generate() attaches;
+#            fixed. This step now checks the fix on CUDA and whether the profiled calls replay graphs.)
 #   auto64   1B/150M batch 64: "auto" against HF static + compile (item 3's last batch size),
 #            oracle α = 0 and 0.6, candidates K = 0 and 4
 #   auto8b   8B/1B batch 1, "auto" with the real 1B draft (α ≈ 0 on random weights), if 200 s are left

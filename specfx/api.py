@@ -28,7 +28,7 @@ from specfx.engine.stats import SpecStats
 from specfx.engine.trace_gate import gated
 from specfx.engine.tree_round import tree_round_step
 from specfx.model.hf_names import penalty_counts_left_padding
-from specfx.model.runner import ModelRunner
+from specfx.model.runner import ModelRunner, state_hooks
 from specfx.passes.backend import GraphRecord
 from specfx.request.args import resolve_generate_args
 from specfx.sampling.processors import GREEDY, Mode, as_mode
@@ -296,7 +296,8 @@ class SpeculativeGenerator:
         def one_round():
             # the modes generate() runs in: grad mode is part of the graph's guards, so a round
             # called under another mode would recompile instead of replaying the graph
-            with self._lock, torch.inference_mode(False), torch.no_grad():
+            hooks = state_hooks(self.state_runners, attach=self.spec_config.compile)  # as generate() has them
+            with self._lock, torch.inference_mode(False), torch.no_grad(), hooks:
                 return self._variant("round", shape, now=True)(shape)
 
         return one_round
@@ -340,11 +341,8 @@ class SpeculativeGenerator:
         # One mode for every call: buffers made under inference_mode would refuse the in-place
         # updates of a later normal call, and grad mode is part of the compiled graphs' guards.
         with self._lock, torch.inference_mode(False), torch.no_grad():
-            try:
+            with state_hooks(self.state_runners, attach=False):  # attached in _generate once allocated; removed after
                 return self._generate(inputs, kwargs)
-            finally:
-                for runner in self.state_runners:  # the user's models keep no hook (decision 76)
-                    runner.detach_state_hooks()
 
     def _generate(self, inputs, kwargs):
         tr = self.target_runner

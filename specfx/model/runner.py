@@ -38,7 +38,7 @@ from specfx.model.recurrent import (
 from specfx.model.taps import TapCaptures
 from specfx.trees.types import DynamicTree, TokenTree
 
-__all__ = ["ModelRunner", "cache_layer_count"]
+__all__ = ["ModelRunner", "cache_layer_count", "state_hooks"]
 
 
 def cache_layer_count(model, num_layers: int) -> int:
@@ -347,3 +347,17 @@ class ModelRunner:
             outs.append(self._call(ids[b : b + 1], mask, positions[b : b + 1], **self._keep_last(last_only)))
         cache.row = None
         return torch.cat(outs)
+
+
+@contextmanager
+def state_hooks(runners, attach: bool):
+    """The stateful ``runners``' mixer recording hooks around a stretch of rounds: attached first if
+    ``attach`` (compiled rounds are traced and run with them; eager ones attach around each verify
+    forward themselves), removed after in any case, so the user's models keep no hook (decision 76)."""
+    for runner in runners if attach else ():
+        runner.attach_state_hooks()
+    try:
+        yield
+    finally:
+        for runner in runners:
+            runner.detach_state_hooks()

@@ -167,6 +167,9 @@ def _compiled_check(model, backend, batch_one: bool = True):
         assert torch.equal(got, expected), f"case {i}: rows differing: {(got != expected).any(1).nonzero().flatten().tolist()}"
         assert 0 < spec.stats.accepted < spec.stats.proposed
     assert len(spec.graphs) == 1 + batch_one, f"{len(spec.graphs)} graphs"  # (batch 1 and) the bucket of 4
+    with torch._dynamo.config.patch(error_on_recompile=True):  # a benchmark's round replays the warm graph:
+        tokens, _ = spec.round_fn()()[:2]  # the mixer hooks attached around it as around generate()'s rounds
+    assert tokens.shape[1] == K + 1
     assert {g.compiler for g in spec.graphs} == {"inductor" if backend == "specfx" else "eager"}
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
 

@@ -125,9 +125,22 @@ def drafter_cases():
     ]
 
 
+def torch_counts() -> dict:
+    """Process-wide compile counters torch keeps (read only): Dynamo's graphs and graph breaks, and
+    Inductor's CUDA-graph skips, which it counts even where the skip's log message is not enabled."""
+    from torch._dynamo.utils import counters
+
+    return {
+        "dynamo_graphs": counters["stats"]["unique_graphs"],
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
+    }
+
+
 def check_drafter(name, kwargs, target, skiplog, batch1=False):
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     rec = dict(name=name)
+    before = torch_counts()
     skiplog.messages.clear()
     skiplog.specfx_warnings.clear()
     t0 = time.monotonic()
@@ -153,6 +166,7 @@ def check_drafter(name, kwargs, target, skiplog, batch1=False):
     spec.generate(ids, **gen)
     if SETTINGS.device.type != "cuda":
         spec.round_fn()()  # the round the CUDA path runs under the sync detector (a hybrid's failed there in run 9)
+        rec["torch_counts"] = {k: v - before[k] for k, v in torch_counts().items()}
         rec["ok"] = ok
         return rec
     torch.cuda.synchronize()
@@ -171,6 +185,7 @@ def check_drafter(name, kwargs, target, skiplog, batch1=False):
     rec["profile"] = profile_generate(lambda: spec.generate(ids, **gen), 0, spec)
     rec["compile_events_after"] = [str(e.key) for e in spec.compile_events]
     rec["specfx_warnings"] = list(skiplog.specfx_warnings)
+    rec["torch_counts"] = {k: v - before[k] for k, v in torch_counts().items()}  # this case's
     rec["ok"] = ok and rec["sync_free_rounds"] and not rec["cudagraph_skips"]
     return rec
 

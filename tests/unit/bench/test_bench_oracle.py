@@ -371,3 +371,4 @@ def test_gpu_check_hybrid_smoke_on_cpu(tmp_path):
         ("qwen3_next_draft", True, True, True),
         ("lfm2_draft", True, True, True),
     ]
+    assert all(r["torch_counts"]["dynamo_graphs"] >= 1 for r in result["hybrid"])  # traced here, counted

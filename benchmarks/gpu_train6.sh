@@ -54,6 +54,9 @@
 #   DFlash + PARD: ~8-11 min of the 15; all three: ~10-12.5 min. If the PARD call is cut by its
 #   deadline (exit 124 in the log), `G6_RESUME=1 G6_HEAD=pard ... train` continues it from its last
 #   checkpoint (every 100 steps) while the machine is warm.
+# G6_BF16=1 adds `--bf16` (mixed precision: the head's matmuls in bfloat16, its weights and optimizer
+# float32); float32 matmuls run on the GPU's float32 units (specfx sets no TF32 flag), so this is the
+# way to the bfloat16 tensor cores' rate. Not yet run on a GPU.
 # G6_SECONDS: the call's own deadline; training gets it minus the setup and 20 s, and the files are
 # packed after it. Give G6_SECONDS = timeout_s - 60 (bfloat16 cast and split: seconds), and
 # timeout_s <= what status' budget_left_s shows minus ~30 s, or the machine is taken mid-pack.
@@ -193,6 +196,7 @@ train)
   read -r -a recipe < <("$PY" -c "import sys; sys.path.insert(0, 'benchmarks'); from ${recipe_flags%.*} import ${recipe_flags#*.} as f; print(' '.join(f))")
   steps=()
   [[ -n "${G6_STEPS:-}" ]] && steps=(--steps "$G6_STEPS")  # overrides the recipe's (argparse keeps the last)
+  [[ -n "${G6_BF16:-}" ]] && extra+=(--bf16)  # mixed precision (session 38): the head's matmuls in bfloat16
   run_dir="$G6_TMP/smollm2-$HEAD"
   start=()
   if [[ -n "${G6_RESUME:-}" && -f "$run_dir/ckpt/meta.json" ]]; then  # a call cut by its deadline on this warm machine

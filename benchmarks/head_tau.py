@@ -1,4 +1,4 @@
-"""τ of a head on SmolLM2-135M-Instruct, per kind of prompt: the model card's table.
+"""τ of a head (or any drafter) on SmolLM2-135M-Instruct, per kind of prompt: the model card's table.
 
 The prompts are the chat suite's (``specfx/bench/prompts/suite.jsonl``: 8 kinds x 8 prompts),
 which no training prompt repeats (``specfx.train.chat_prompts.check_disjoint``). Each kind's
@@ -7,6 +7,11 @@ setting: K = 2, 4, 8 and an EAGLE-2 tree of 16 nodes (pinned: every round); ever
 ``generate()``'s (fp32) and a mismatch fails the run. Prints a table and writes JSON.
 
     python benchmarks/head_tau.py --head specfx/demo/smollm2_eagle3 --out runs/head_tau.json
+    PYTHONPATH=. python benchmarks/head_tau.py --draft dflash:DIR --shapes 2,4,medusa-16
+
+``--draft`` takes any drafter ``speculate(draft=...)`` takes by name (``dflash:DIR``, ``pard:DIR``,
+``eagle3:DIR``); ``--shapes`` as in demo_block_tau.py (chains ``K``, static trees ``medusa-N``,
+``topk-D-B-N``, dynamic ``eagle2-N`` for EAGLE heads), each pinned for every round.
 """
 
 from __future__ import annotations
@@ -20,26 +25,27 @@ from pathlib import Path
 import torch
 
 import specfx
+from benchmarks.demo_block_tau import round_shape
 from specfx.bench.tasks.suite_prompts import load_suite, make_batches
 from specfx.demo.smollm2 import load_smollm2
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--head", required=True, help="an EAGLE-3 head directory")
+    who = p.add_mutually_exclusive_group(required=True)
+    who.add_argument("--head", help="an EAGLE-3 head directory")
+    who.add_argument("--draft", help="any drafter by name: dflash:DIR, pard:DIR, eagle3:DIR")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=8, help="prompts per kind (default all 8)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--only", action="append", default=None, help="run only these settings (K=2, K=4, K=8, tree16)")
+    p.add_argument("--shapes", default="2,4,8,eagle2-16", help="comma-separated: K, medusa-N, topk-D-B-N, eagle2-N")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, tok = load_smollm2()
     suite = load_suite()
-    settings = {f"K={k}": {"num_speculative_tokens": k} for k in (2, 4, 8)}
-    tree = specfx.TokenTree.eagle2(budget=16)
-    settings["tree16"] = {"tree": tree, "num_speculative_tokens": tree.size}  # pinned: unset is "auto" (tree or K=0)
-    settings = {n: kw for n, kw in settings.items() if not args.only or n in args.only}
+    # each shape pinned (num_speculative_tokens set: unset is "auto", which may run K = 0)
+    settings = {f"K={s}" if s.isdigit() else s: round_shape(s) for s in args.shapes.split(",")}
     rows, failures, start = {kind: {} for kind in suite}, 0, time.monotonic()
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
     inputs, refs = {}, {}
@@ -49,7 +55,7 @@ def main(argv=None) -> int:
         with torch.no_grad():
             refs[kind] = model.generate(**inputs[kind], **gen)
     for name, kw in settings.items():  # one generator per setting (capturing the model is its cost)
-        spec = specfx.speculate(model, draft=specfx.Eagle3(args.head), compile=False, **kw)
+        spec = specfx.speculate(model, draft=args.draft or specfx.Eagle3(args.head), compile=False, **kw)
         for kind, enc in inputs.items():
             out = spec.generate(**enc, **gen)
             same = out.shape == refs[kind].shape and torch.equal(out, refs[kind])

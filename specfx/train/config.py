@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from specfx.drafters.heads.medusa import LAYOUTS as MEDUSA_LAYOUTS
 from specfx.train.heads import HEADS
 
@@ -58,6 +60,12 @@ class TrainConfig:
     cache_features: bool = False
     stop_after: int | None = None
     device: str = "cpu"
+    bf16: bool = False
+
+    def autocast(self) -> torch.autocast:
+        """``--bf16``: the head's forward (and so its backward) under bfloat16 autocast; the weights,
+        the optimizer and the target's features stay float32. Off: a context that changes nothing."""
+        return torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16, enabled=self.bf16)
 
     def check(self) -> None:
         if self.head not in HEADS:
@@ -117,13 +125,14 @@ class TrainConfig:
 # The EAGLE-3 decoder layer's sizes (default: the target's).
 LAYER_SIZES = ("intermediate_size", "num_attention_heads", "num_key_value_heads")
 
-# Options a --resume may change: evaluation, checkpointing and the device, and --steps (extending
+# Options a --resume may change: evaluation, checkpointing, the device and precision, and --steps (extending
 # a run; the learning-rate schedule then follows the new value: stop early with --stop-after instead).
 FREE = (
     "steps",
     "stop_after",
     "ckpt_every",
     "device",
+    "bf16",
     "eval_batches",
     "eval_prompts",
     "eval_prompt_len",

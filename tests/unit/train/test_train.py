@@ -99,6 +99,27 @@ def test_train_is_deterministic_and_resumes_exactly(one_thread, tiny_dir, corpus
     assert (tmp_path / "e" / "features" / "meta.json").exists()
 
 
+SMALL = {"pard": ("--pard-k", "4", "--draft-hidden", "64"), "draft": ("--draft-hidden", "64"),
+         "dflash": ("--dflash-block", "4", "--dflash-anchors", "8", "--draft-layers", "1")}  # fmt: skip
+
+
+@pytest.mark.parametrize("head", tiered(["eagle3", "pard", "dflash", "medusa", "eagle", "draft"], ["pard", "dflash"]))
+def test_bf16_is_mixed_precision_for_every_head(one_thread, tiny_dir, corpus, tmp_path, head):
+    """``--bf16``: the head's losses differ from float32's by bfloat16's rounding only (so autocast
+    ran), its weights and optimizer moments stay float32, and a float32 run continues with it."""
+    common = ("--steps", "2", "--eval-prompts", "0", "--ckpt-every", "1", "--warmup", "1", *SMALL.get(head, ()))
+    assert main(args(tiny_dir, head, corpus, tmp_path / "f32", *common)) == 0
+    assert main(args(tiny_dir, head, corpus, tmp_path / "bf16", *common, "--bf16")) == 0
+    f32, bf16 = ([h["loss"] for h in json.loads((tmp_path / r / "ckpt" / "meta.json").read_text())["history"]]
+                 for r in ("f32", "bf16"))  # fmt: skip
+    assert f32[0] != bf16[0] and bf16[0] == pytest.approx(f32[0], rel=0.03), (f32, bf16)
+    state = load_file(str(tmp_path / "bf16" / "ckpt" / "state.safetensors"))
+    assert {t.dtype for t in state.values() if t.is_floating_point()} == {torch.float32}
+    resumed = ("--steps", "3", "--resume", "--bf16")  # precision is not part of the run, as the device is not
+    assert main(args(tiny_dir, head, corpus, tmp_path / "f32", *common[2:], *resumed)) == 0
+    assert json.loads((tmp_path / "f32" / "ckpt" / "meta.json").read_text())["history"][-1]["step"] == 3
+
+
 def test_train_refuses_bad_arguments(one_thread, tiny_dir, corpus, tmp_path, capsys):
     out = tmp_path / "run"
     assert main(args(tiny_dir, "eagle", corpus, out, "--steps", "0")) == 2

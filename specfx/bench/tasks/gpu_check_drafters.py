@@ -125,16 +125,18 @@ def drafter_cases():
     ]
 
 
-def torch_counts() -> dict:
+def torch_counts(since: dict | None = None) -> dict:
     """Process-wide compile counters torch keeps (read only): Dynamo's graphs and graph breaks, and
-    Inductor's CUDA-graph skips, which it counts even where the skip's log message is not enabled."""
+    Inductor's CUDA-graph skips, which it counts even where the skip's log message is not enabled;
+    ``since``: an earlier reading, subtracted (one case's share)."""
     from torch._dynamo.utils import counters
 
-    return {
+    now = {
         "dynamo_graphs": counters["stats"]["unique_graphs"],
         "graph_breaks": sum(counters["graph_break"].values()),
         "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
     }
+    return {k: v - (since or {}).get(k, 0) for k, v in now.items()}
 
 
 def check_drafter(name, kwargs, target, skiplog, batch1=False):
@@ -166,7 +168,7 @@ def check_drafter(name, kwargs, target, skiplog, batch1=False):
     spec.generate(ids, **gen)
     if SETTINGS.device.type != "cuda":
         spec.round_fn()()  # the round the CUDA path runs under the sync detector (a hybrid's failed there in run 9)
-        rec["torch_counts"] = {k: v - before[k] for k, v in torch_counts().items()}
+        rec["torch_counts"] = torch_counts(since=before)
         rec["ok"] = ok
         return rec
     torch.cuda.synchronize()
@@ -185,7 +187,7 @@ def check_drafter(name, kwargs, target, skiplog, batch1=False):
     rec["profile"] = profile_generate(lambda: spec.generate(ids, **gen), 0, spec)
     rec["compile_events_after"] = [str(e.key) for e in spec.compile_events]
     rec["specfx_warnings"] = list(skiplog.specfx_warnings)
-    rec["torch_counts"] = {k: v - before[k] for k, v in torch_counts().items()}  # this case's
+    rec["torch_counts"] = torch_counts(since=before)
     rec["ok"] = ok and rec["sync_free_rounds"] and not rec["cudagraph_skips"]
     return rec
 

@@ -127,10 +127,10 @@ def init(work: Path, layers=LAYERS) -> Path:
 
 def train(work: Path, extra=(), head="pard") -> None:
     out = work / head
+    # --resume checks every option against the run's, so PARD's --init goes with it too
+    start = ["--init", str(init(work))] if head == "pard" else []
     if (out / "ckpt").exists():
-        start = ["--resume"]
-    else:
-        start = ["--init", str(init(work))] if head == "pard" else []
+        start.append("--resume")
     flags = {"pard": TRAIN, "dflash": TRAIN_DFLASH, "dflash4": TRAIN_DFLASH_K4}[head]
     data = ["--data", str(DATA / "answers1.jsonl"), "--data", str(DATA / "answers2.jsonl")]
     argv = ["-m", "specfx.train", "--target", str(smollm2_dir()), *data, "--out", str(out), *flags, *start, *extra]

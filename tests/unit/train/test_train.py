@@ -337,19 +337,24 @@ def test_training_forwards_are_the_round_forwards(one_thread, arch):
     assert all(p.grad is None for p in model.parameters())
 
 
+def tiny_eagle_training(noise: float = 0.0):
+    """A random 2-layer Llama's runner, two seeded windows of 12 tokens and an EAGLE head to train over it."""
+    from specfx.model.runner import ModelRunner
+    from specfx.train.heads import EagleTrain
+
+    runner = ModelRunner(tiny_causal_lm("llama", vocab_size=128, num_layers=2), "target")
+    runner.allocate(2, 16)
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    return runner, ids, EagleTrain(runner, None, seed=3, noise=noise)
+
+
 def test_eagle_feature_noise_is_seeded_bounded_and_training_only(one_thread):
     """EAGLE's augmentation: the features the head reads (not its regression targets) carry
     uniform noise in (-noise, noise) at a training step, the same for the same (seed, step),
     another at another step, and none when evaluating (step None) or with noise 0."""
-    from specfx.model.runner import ModelRunner
     from specfx.train import target_pass
-    from specfx.train.heads import EagleTrain
 
-    model = tiny_causal_lm("llama", vocab_size=128, num_layers=2)
-    runner = ModelRunner(model, "target")
-    runner.allocate(2, 16)
-    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
-    eagle = EagleTrain(runner, None, seed=3, noise=0.1)
+    runner, ids, eagle = tiny_eagle_training(noise=0.1)
     _, (f,) = target_pass(runner, ids, eagle.taps)
     seen = []
     hook = eagle.drafter.fc.register_forward_pre_hook(lambda m, a: seen.append(a[0][..., -f.shape[-1] :].detach().clone()))
@@ -363,3 +368,23 @@ def test_eagle_feature_noise_is_seeded_bounded_and_training_only(one_thread):
     assert torch.equal(clean, torch.zeros_like(clean)) and torch.equal(off, torch.zeros_like(off))
     assert torch.equal(a, b) and not torch.equal(a, c)
     assert a.abs().max() < 0.1 + 1e-6 and a.abs().max() > 0.05 and a.mean().abs() < 0.01
+
+
+def test_heldout_metrics_runs_the_target_outside_autocast(one_thread):
+    """``--bf16``'s held-out metrics: the target's pass runs in float32 as in training (its
+    features reach the head as float32), only the head's loss under autocast; with autocast the
+    loss differs from float32's by bfloat16's rounding (so autocast did run there)."""
+    from specfx.train import heldout_metrics
+
+    runner, ids, eagle = tiny_eagle_training()
+    seen, loss = [], eagle.loss
+
+    def recording_loss(ids, features, logits):
+        seen.append(({f.dtype for f in features} | {logits.dtype}, torch.is_autocast_enabled("cpu")))
+        return loss(ids, features, logits)
+
+    eagle.loss = recording_loss
+    f32 = heldout_metrics(eagle, runner, [ids])
+    bf16 = heldout_metrics(eagle, runner, [ids], lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    assert seen == [({torch.float32}, False), ({torch.float32}, True)], seen
+    assert f32[0] != bf16[0] and bf16[0] == pytest.approx(f32[0], rel=0.03), (f32, bf16)

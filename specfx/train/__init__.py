@@ -10,7 +10,8 @@ Steps, each deterministic for a given ``--seed``:
 1. **Data** (:mod:`specfx.train.data`): texts from files, folders or JSONL (chat turns rendered
    with the target's chat template when it has one), tokenized with the target's tokenizer,
    split into training and held-out sides by document, and drawn as windows of ``--seq-len``
-   tokens from a generator seeded with ``(seed, step)``.
+   tokens from a generator seeded with ``(seed, step)``; with ``--assistant-only-loss``, label masks
+   beside the streams keep every loss and held-out metric to the assistant turns of chat records.
 2. **Features**: the target (loaded safetensors-only, eval mode, never trained) runs each window
    through :meth:`specfx.model.runner.ModelRunner.forward` with the head's taps, under ``no_grad``:
    the logits and hidden states the head will see in a round, computed on the fly, or once into
@@ -33,7 +34,6 @@ Steps, each deterministic for a given ``--seed``:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import time
@@ -46,8 +46,9 @@ from specfx.drafters.heads.medusa import LAYOUTS as MEDUSA_LAYOUTS
 from specfx.train import checkpoint
 from specfx.train.cache import FeatureCache
 from specfx.train.config import FREE, LAYER_SIZES, TrainConfig
-from specfx.train.data import Windows, load_texts, streams
+from specfx.train.data import Windows, label_streams, load_texts, streams
 from specfx.train.dflash import DFlashTrain
+from specfx.train.evaluation import evaluate, heldout_metrics, reads_target, target_pass
 from specfx.train.heads import HEADS, DraftTrain, Eagle3Train, EagleTrain, MedusaTrain, TrainHead
 from specfx.train.pard import PardTrain, default_mask_token
 from specfx.train.schedule import lr_at
@@ -87,17 +88,6 @@ def build_head(cfg: TrainConfig, runner, stream, tokenizer, log=print) -> TrainH
     return Eagle3Train(runner, cfg.init, cfg.seed, cfg.draft_vocab_size, stream, cfg.ttt_steps, sizes)
 
 
-def target_pass(runner, ids: torch.Tensor, taps) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """The frozen target over windows ``ids [B, T]``: ``(logits [B, T, V], features)``."""
-    b, t = ids.shape
-    pos = torch.arange(t, device=runner.device).expand(b, -1)
-    with torch.no_grad():
-        if not taps:  # a draft model reads only the target's logits
-            return runner.forward(ids.to(runner.device), pos, pos).detach(), ()
-        logits, features = runner.forward(ids.to(runner.device), pos, pos, taps=taps)
-    return logits.detach(), tuple(f.detach() for f in features)
-
-
 # ----------------------------------------------------------------------------- checkpoints
 def save_checkpoint(ckpt: Path, step: int, head: TrainHead, opt, history: list) -> None:
     """The head's parameters and optimizer moments in the trainers' one format
@@ -107,80 +97,6 @@ def save_checkpoint(ckpt: Path, step: int, head: TrainHead, opt, history: list) 
 
 def load_checkpoint(ckpt: Path, head: TrainHead, opt) -> tuple[int, list]:
     return checkpoint.load_checkpoint(ckpt, {"head": head.module}, {"head": opt})
-
-
-# ----------------------------------------------------------------------------- evaluation
-def reads_target(head: TrainHead) -> bool:
-    """Whether the head's loss reads the target's logits or features (PARD's reads the data only)."""
-    return getattr(head, "reads_target", True)
-
-
-def heldout_metrics(head: TrainHead, runner, batches, autocast=contextlib.nullcontext) -> tuple[float, float]:
-    """Mean held-out loss and top-1 agreement, the head's loss under ``autocast()`` (the target's pass
-    outside it, as in training); a PARD head's per-depth agreement (over every held-out batch) is left
-    in ``head.heldout_depth_acc``."""
-    losses, accs, depths = [], [], []
-    with torch.no_grad():
-        for ids in batches:
-            logits, features = target_pass(runner, ids, head.taps) if reads_target(head) else (None, ())
-            with autocast():
-                loss, acc = head.loss(ids.to(runner.device), features, logits)
-            losses.append(loss.item())
-            accs.append(acc)
-            depths.append(getattr(head, "depth_acc", []))
-    if depths[0]:
-        head.heldout_depth_acc = [sum(d[j] for d in depths) / len(depths) for j in range(len(depths[0]))]
-    return sum(losses) / len(losses), sum(accs) / len(accs)
-
-
-def evaluate(cfg: TrainConfig, model, head_dir: Path, kind: str, held) -> dict:
-    """Held-out greedy τ and per-depth acceptance of the saved head, loaded back from
-    ``head_dir`` as ``speculate()`` would, at each K and for a tree."""
-    import specfx
-    from specfx.drafters.heads.dflash import DFlash
-    from specfx.drafters.heads.eagle import Eagle
-    from specfx.drafters.heads.eagle3 import Eagle3
-    from specfx.drafters.heads.medusa import Medusa
-    from specfx.drafters.pard import Pard
-    from specfx.model.load import load_causal_lm
-
-    cls = {
-        "medusa": Medusa,
-        "eagle": Eagle,
-        "eagle3": Eagle3,
-        "draft": lambda d: load_causal_lm(d, device=model.device),
-        "pard": lambda d: Pard(load_causal_lm(d, device=model.device)),
-        "dflash": DFlash,
-    }[kind]
-    n, length = cfg.eval_prompts, cfg.eval_prompt_len
-    starts = torch.linspace(0, len(held) - length, n).long().tolist()
-    prompts = [torch.from_numpy(held[s : s + length].astype("int64")).view(1, -1).to(model.device) for s in starts]
-    settings: dict[str, dict] = {}
-    for k in cfg.eval_ks:
-        settings[f"K={k}"] = {"num_speculative_tokens": k}
-    trees = {
-        "medusa": specfx.TokenTree.medusa(budget=16),
-        "draft": specfx.TokenTree.topk(depth=4, branching=2, budget=16),
-    }
-    tree = trees.get(kind) or specfx.TokenTree.eagle2(budget=16)
-    if kind not in ("pard", "dflash"):  # block drafters draft chains only
-        settings["tree"] = {"tree": tree, "num_speculative_tokens": tree.size}  # pinned (unset: "auto", tree or K = 0)
-    results = {}
-    for name, kw in settings.items():
-        try:
-            spec = specfx.speculate(model, draft=cls(head_dir), compile=False, **kw)
-        except ValueError as e:  # e.g. a K deeper than Medusa's heads
-            results[name] = {"skipped": str(e)}
-            continue
-        for p in prompts:
-            spec.generate(p, max_new_tokens=cfg.eval_new_tokens, do_sample=False)
-        st = spec.cumulative_stats
-        results[name] = {
-            "tau": round(st.tokens_per_round, 4),
-            "acceptance_rate": round(st.acceptance_rate, 4),
-            "per_depth": [round(r, 4) for r in st.per_position_rate],
-        }
-    return results
 
 
 # ----------------------------------------------------------------------------- training
@@ -218,7 +134,8 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
             raise ValueError(
                 f"--out {str(out)!r} already holds a training checkpoint: pass --resume to continue it, or a new --out."
             )
-        fixed = {k: v for k, v in json.loads(cfg_path.read_text()).items() if k not in FREE}
+        saved = {"assistant_only_loss": False} | json.loads(cfg_path.read_text())  # runs from before the flag
+        fixed = {k: v for k, v in saved.items() if k not in FREE}
         mine = {k: v for k, v in asdict(cfg).items() if k not in FREE}
         # the same data files named from another directory (relative against absolute) are the same run
         fixed["data"], mine["data"] = _same_files(fixed.get("data"), mine["data"])
@@ -233,7 +150,11 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
             f"--target {cfg.target!r} has no tokenizer files; specfx train tokenizes --data with the target's tokenizer."
         )
     texts = load_texts(cfg.data, tokenizer)
-    train_ids, held_ids = streams(tokenizer, texts, cfg.heldout_permille, cfg.seq_len)
+    if cfg.assistant_only_loss:  # label masks beside the streams: only assistant turns are learnt and scored
+        train_ids, held_ids, train_mask, held_mask = label_streams(tokenizer, texts, cfg.heldout_permille, cfg.seq_len)
+    else:
+        train_ids, held_ids = streams(tokenizer, texts, cfg.heldout_permille, cfg.seq_len)
+        train_mask = held_mask = None
     out.mkdir(parents=True, exist_ok=True)
     cfg_path.write_text(json.dumps(asdict(cfg), indent=1))
 
@@ -264,7 +185,9 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
         with tqdm(total=len(cache.windows), desc="caching target features", unit="window", leave=False) as cbar:
             if not cache.build(cbar.update):
                 log(f"reusing the cached target features in {out / 'features'}")
-    held = Windows(held_ids, cfg.seq_len, cfg.batch_size, cfg.seed).fixed(cfg.eval_batches)
+    held_args = (cfg.seq_len, cfg.batch_size, cfg.seed)
+    held = Windows(held_ids, *held_args).fixed(cfg.eval_batches)
+    held_masks = None if held_mask is None else Windows(held_mask, *held_args).fixed(cfg.eval_batches)
     n_params = sum(p.numel() for p in params)
     log(f"specfx train: {cfg.head} head, {n_params / 1e6:.2f} M trained parameters, {len(train_ids)} training / "
         f"{len(held_ids)} held-out tokens, {cfg.steps} steps of {cfg.batch_size} x {cfg.seq_len}, {cfg.device}")  # fmt: skip
@@ -280,10 +203,16 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
         else:
             ids = windows.at(step).to(runner.device)
             logits, features = target_pass(runner, ids, head.taps)
+        if train_mask is None:
+            mask = None
+        elif cache is not None:
+            mask = cache.mask_at(step, train_mask)
+        else:  # the same starts as the windows: one generator, seeded (seed, step)
+            mask = Windows(train_mask, cfg.seq_len, cfg.batch_size, cfg.seed).at(step).to(runner.device)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, peak=cfg.lr, warmup=cfg.warmup, steps=cfg.steps)
         with cfg.autocast():
-            loss, acc = head.loss(ids, features, logits, step)
+            loss, acc = head.loss(ids, features, logits, step, mask)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -291,7 +220,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
         step += 1
         record = {"step": step, "loss": round(loss.item(), 6), "acc": round(acc, 4)}
         if step % cfg.ckpt_every == 0 or step == end:
-            held_loss, held_acc = heldout_metrics(head, runner, held, cfg.autocast)
+            held_loss, held_acc = heldout_metrics(head, runner, held, cfg.autocast, held_masks)
             record.update(heldout_loss=round(held_loss, 6), heldout_acc=round(held_acc, 4))
             if hasattr(head, "heldout_depth_acc"):
                 record["heldout_acc_per_depth"] = [round(a, 4) for a in head.heldout_depth_acc]
@@ -428,6 +357,12 @@ def parser() -> argparse.ArgumentParser:
         "--cache-features",
         action="store_true",
         help="compute the target's features once into OUT/features (safetensors shards) and reuse them",
+    )
+    p.add_argument(
+        "--assistant-only-loss",
+        action="store_true",
+        help="learn and score only the assistant turns of chat JSONL records (their content and end of turn), as "
+        "TRL's assistant_only_loss and EAGLE-3's loss mask; system prompts, user turns and plain texts stay context",
     )
     p.add_argument("--device", default="cpu", help="where the target and the head run: cpu (default) or cuda")
     p.add_argument(

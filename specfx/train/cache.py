@@ -105,10 +105,19 @@ class FeatureCache:
             self._files[shard] = safe_open(str(self.root / f"shard_{shard:05d}.safetensors"), "pt")
         return self._files[shard]
 
+    def picks(self, step: int) -> list[int]:
+        """The windows step ``step`` reads (indices into ``self.windows``)."""
+        return np.random.default_rng([self.seed, step]).integers(0, len(self.windows), size=self.batch).tolist()
+
+    def mask_at(self, step: int, mask: np.ndarray) -> torch.Tensor:
+        """Step ``step``'s rows ``[B, T]`` of ``mask``, an array beside the cached stream (the
+        label masks of ``--assistant-only-loss``)."""
+        rows = np.asarray(mask[: self.windows.size]).reshape(self.windows.shape)[self.picks(step)]
+        return torch.from_numpy(rows.astype(np.int64)).to(self.runner.device)
+
     def at(self, step: int) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
         """Step ``step``'s ``(ids [B, T], logits [B, T, V], features)`` from the cache."""
-        g = np.random.default_rng([self.seed, step])
-        picks = g.integers(0, len(self.windows), size=self.batch).tolist()
+        picks = self.picks(step)
         device = self.runner.device
         got: dict[str, list[torch.Tensor]] = {k: [] for k in ["ids", *map(_key, self.stored)]}
         for w in picks:

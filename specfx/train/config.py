@@ -30,6 +30,7 @@ class TrainConfig:
     warmup: int = 10
     seed: int = 0
     heldout_permille: int = 50
+    assistant_only_loss: bool = False
     eval_batches: int = 2
     ckpt_every: int = 50
     medusa_heads: int = 4

@@ -12,6 +12,12 @@ Inputs (``--data``, repeatable):
   ShareGPT's ``{"from", "value"}`` accepted), rendered with the tokenizer's chat template when
   it has one, else as ``role: content`` lines.
 
+With ``--assistant-only-loss`` (TRL's ``assistant_only_loss``), only the assistant turns of chat
+records are learnt and scored: :func:`label_streams` gives, beside each token stream, a mask that
+is 1 on the tokens of each assistant turn's content and on the one token the template puts right
+after it (its end of turn, which the model generates too) and 0 elsewhere (system prompts, user
+turns, the template's own markup, plain texts, the document separators).
+
 The held-out split is by document and fixed: a document is held out when the first 8 hex digits
 of the SHA-256 of its text, read as an integer, fall under ``heldout_permille / 1000`` of the
 range (the demo pair's rule, on the content instead of a path, so JSONL lines split too). It
@@ -28,7 +34,27 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["load_texts", "split_texts", "encode", "Windows"]
+__all__ = ["load_texts", "split_texts", "encode", "label_streams", "Windows"]
+
+
+class ChatText(str):
+    """A rendered chat record: the text, with ``assistant`` the ``(start, end)`` character spans
+    of its assistant turns' contents (None when the template did not reproduce a turn verbatim)."""
+
+    assistant: list[tuple[int, int]] | None = None
+
+
+def _chat_text(text: str, turns: list[dict]) -> ChatText:
+    out, spans, at = ChatText(text), [], 0
+    for t in turns:
+        start = text.find(t["content"], at)
+        if start < 0:  # the template rewrote a turn (stripped it, say): no spans to trust
+            return out
+        at = start + len(t["content"])
+        if t["role"] == "assistant":
+            spans.append((start, at))
+    out.assistant = spans
+    return out
 
 
 def _read_text(path: Path, strict: bool) -> str | None:
@@ -74,9 +100,10 @@ def _jsonl(path: Path, tokenizer) -> list[str]:
         elif isinstance(value, dict) and isinstance(value.get("messages", value.get("conversations")), list):
             turns = _turns(value.get("messages", value.get("conversations")), where)
             if template:
-                texts.append(tokenizer.apply_chat_template(turns, tokenize=False))
+                text = tokenizer.apply_chat_template(turns, tokenize=False)
             else:
-                texts.append("".join(f"{t['role']}: {t['content']}\n" for t in turns))
+                text = "".join(f"{t['role']}: {t['content']}\n" for t in turns)
+            texts.append(_chat_text(text, turns))
         else:
             raise ValueError(
                 f'{where}: expected a string, an object with "text", or an object with "messages" '
@@ -152,6 +179,62 @@ def streams(tokenizer, texts: list[str], permille: int, length: int) -> tuple[np
                 f"pass more text or a shorter --seq-len."
             )
     return train_ids, held_ids
+
+
+def _label_mask(tokenizer, text: str) -> list[int]:
+    """Per token of ``text`` (as :func:`encode` tokenizes it): 1 on an assistant turn's content
+    and on the token right after it, else 0 (module docstring)."""
+    spans = getattr(text, "assistant", None)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    offsets = enc["offset_mapping"]
+    mask = [0] * len(offsets)
+    for start, end in spans or ():
+        inside = [i for i, (a, b) in enumerate(offsets) if a < end and b > start]
+        if inside:
+            last = inside[-1] + 1
+            for i in range(inside[0], min(last + 1, len(mask))):  # the content, then its end of turn
+                mask[i] = 1
+    return mask
+
+
+def label_streams(tokenizer, texts: list[str], permille: int, length: int):
+    """:func:`streams` with ``--assistant-only-loss``'s label masks: ``(train, held_out,
+    train_mask, held_out_mask)``, each mask a uint8 array beside its stream."""
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(
+            "--assistant-only-loss needs a fast tokenizer (its character offsets locate the assistant turns); "
+            "this target's tokenizer is a slow one."
+        )
+    if any(isinstance(t, ChatText) and t.assistant is None for t in texts):
+        raise ValueError(
+            "--assistant-only-loss: the tokenizer's chat template does not reproduce a chat turn's content "
+            "verbatim, so its assistant tokens cannot be located; leave the flag out for this data."
+        )
+    if not any(getattr(t, "assistant", None) for t in texts):
+        raise ValueError(
+            "--assistant-only-loss: --data holds no chat records with assistant turns (JSONL objects with "
+            '"messages"); leave the flag out to learn every token.'
+        )
+    masks = {id(t): _label_mask(tokenizer, t) for t in texts}
+    sep = [0] if tokenizer.eos_token_id is not None else []
+
+    def mask_of(docs):
+        return np.asarray([m for t in docs for m in masks[id(t)] + sep], dtype=np.uint8)
+
+    train, held = split_texts(texts, permille)
+    ids = streams(tokenizer, texts, permille, length)
+    if not train or not held:  # streams() split the tail of the whole stream
+        whole = mask_of(texts)
+        masks = whole[: len(ids[0])], whole[len(ids[0]) :]
+    else:
+        masks = mask_of(train), mask_of(held)
+    for name, mask in zip(("training", "held-out"), masks, strict=True):
+        if not mask.any():
+            raise ValueError(
+                f"--assistant-only-loss: the {name} side of --data has no assistant tokens (documents split by "
+                f"--heldout-permille); pass more chat records."
+            )
+    return (*ids, *masks)
 
 
 class Windows:

@@ -102,20 +102,21 @@ class DFlashTrain(TrainHead):
         bias = lm.bias.detach() if getattr(lm, "bias", None) is not None else None
         return F.linear(out, lm.weight.detach(), bias), (pos, offset)
 
-    def loss(self, ids, features, logits, step=None):
+    def loss(self, ids, features, logits, step=None, mask=None):
         b, t = ids.shape
         block_size = self.drafter.head.block_size
         draft, (pos, offset) = self.block_logits(ids, features, self.draw_anchors(t, step, ids.device))
         labels = ids[:, pos.clamp(max=t - 1)]  # [B, N*n]: block position k predicts x_{a+k}
-        scored = (offset > 0) & (pos < t)  # [N*n]: not the anchor, not past the window
+        scored = ((offset > 0) & (pos < t)).expand(b, -1)  # [B, N*n]: not the anchor, not past the window
+        if mask is not None:  # --assistant-only-loss: only labels in assistant turns
+            scored = scored & (mask[:, pos.clamp(max=t - 1)] > 0)
         weight = scored.float()
         if self.gamma:
             weight = weight * torch.exp(-(offset - 1).clamp(min=0).float() / self.gamma)
         ce = F.cross_entropy(draft.float().flatten(0, 1), labels.flatten(), reduction="none").view(b, -1)
-        loss = (ce * weight).sum() / (weight.sum() * b).clamp(min=1e-6)
+        loss = (ce * weight).sum() / weight.sum().clamp(min=1e-6)
         hit = (draft.argmax(-1) == labels) & scored
         self.depth_acc = [
-            (hit[:, offset == k].sum() / (scored[offset == k].sum() * b).clamp(min=1)).item()
-            for k in range(1, block_size)
+            (hit[:, offset == k].sum() / scored[:, offset == k].sum().clamp(min=1)).item() for k in range(1, block_size)
         ]
-        return loss, (hit.sum() / (scored.sum() * b).clamp(min=1)).item()
+        return loss, (hit.sum() / scored.sum().clamp(min=1)).item()

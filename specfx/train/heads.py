@@ -48,24 +48,50 @@ from specfx.model.runner import ModelRunner
 __all__ = ["HEADS", "TrainHead", "MedusaTrain", "EagleTrain", "Eagle3Train", "DraftTrain"]
 
 
-def soft_ce(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of ``logits`` against ``softmax(target_logits)``, mean over positions."""
+def soft_ce(logits: torch.Tensor, target_logits: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Cross-entropy of ``logits`` against ``softmax(target_logits)``, mean over positions (over
+    the positions ``weight`` marks, when given)."""
     p = F.softmax(target_logits.float(), dim=-1)
-    return -(p * F.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
+    ce = -(p * F.log_softmax(logits.float(), dim=-1)).sum(-1)
+    return ce.mean() if weight is None else weighted_mean(ce, weight)
+
+
+def weighted_mean(values: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``values``' mean over the entries ``weight`` (broadcast to them) marks."""
+    weight = weight.to(values.dtype).expand_as(values)
+    return (values * weight).sum() / weight.sum().clamp(min=1e-6)
+
+
+def label_weight(mask: torch.Tensor | None, shift: int, length: int) -> torch.Tensor | None:
+    """``--assistant-only-loss``: for label masks ``mask [B, T]`` over a window's tokens, ``[B,
+    length]`` float weights of the entries whose label is the token ``shift`` ahead of their
+    position (past the window, where the label is the target's next token: the window's last
+    mask, so a mask of ones is no mask); None without masks (every entry counts)."""
+    if mask is None:
+        return None
+    ahead = torch.cat([mask[:, shift:], mask[:, -1:].expand(-1, shift)], dim=1)
+    return ahead[:, :length].float()
+
+
+def top1(pred: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor | None = None) -> float:
+    """Top-1 agreement of ``pred`` logits with ``labels`` (over the entries ``weight`` marks)."""
+    hit = (pred.argmax(-1) == labels).float()
+    return (hit.mean() if weight is None else weighted_mean(hit, weight)).item()
 
 
 class TrainHead:
     """A head being trained: ``module`` holds the trained parameters (its ``named_parameters``
-    name the checkpoint tensors), ``taps`` what it reads, ``loss(ids, features, logits, step)``
+    name the checkpoint tensors), ``taps`` what it reads, ``loss(ids, features, logits, step, mask)``
     the method's loss with a top-1 agreement with the target (``step``: the training step, for
-    seeded augmentation; None when evaluating), ``save(dir)`` the public layout."""
+    seeded augmentation; None when evaluating; ``mask [B, T]``: ``--assistant-only-loss``'s label
+    masks, only entries whose label token it marks count; None: all), ``save(dir)`` the public layout."""
 
     kind: str
     taps: tuple[str, ...]
     module: nn.Module
     drafter: object
 
-    def loss(self, ids, features, logits, step: int | None = None) -> tuple[torch.Tensor, float]:
+    def loss(self, ids, features, logits, step: int | None = None, mask=None) -> tuple[torch.Tensor, float]:
         raise NotImplementedError
 
     def save(self, path: Path) -> Path:
@@ -111,15 +137,20 @@ class MedusaTrain(TrainHead):
             return x @ p.lm_head[0].T
         return torch.einsum("btnh,nvh->btnv", x, p.lm_head)
 
-    def loss(self, ids, features, logits, step=None):
+    def loss(self, ids, features, logits, step=None, mask=None):
         labels = logits.argmax(-1)  # [B, T]: the target's own tokens for t + 1
         out = self.logits(features[0])  # [B, T, N, V]
         n, t = out.shape[2], out.shape[1]
         losses = []
         for i in range(min(n, t - 1)):  # head i at t predicts t + 2 + i = argmax z_{t+1+i}
             pred = out[:, : t - 1 - i, i]
-            losses.append(F.cross_entropy(pred.flatten(0, 1).float(), labels[:, 1 + i :].flatten()))
-        acc = (out[:, : t - 1, 0].argmax(-1) == labels[:, 1:]).float().mean().item()
+            weight = label_weight(mask, 2 + i, t - 1 - i)
+            if weight is None:
+                losses.append(F.cross_entropy(pred.flatten(0, 1).float(), labels[:, 1 + i :].flatten()))
+            else:
+                ce = F.cross_entropy(pred.float().transpose(1, 2), labels[:, 1 + i :], reduction="none")
+                losses.append(weighted_mean(ce, weight))
+        acc = top1(out[:, : t - 1, 0], labels[:, 1:], label_weight(mask, 2, t - 1))
         return torch.stack(losses).mean(), acc
 
     def save(self, path):
@@ -174,16 +205,20 @@ class EagleTrain(_EagleCommon):
         out = head.layer(x, attention_mask=mask, position_ids=pos, position_embeddings=rope)
         return out[0] if isinstance(out, tuple) else out
 
-    def loss(self, ids, features, logits, step=None):
+    def loss(self, ids, features, logits, step=None, mask=None):
         head = self.drafter
         f = features[0]
         out = self.entries(ids, f, step)
         lm = head.lm_head  # the target's, read detached (its .grad never touched)
         draft = F.linear(out, lm.weight.detach(), lm.bias.detach() if getattr(lm, "bias", None) is not None else None)
         z = logits[:, 1:]
-        loss = F.smooth_l1_loss(out.float(), f[:, 1:].float()) + 0.1 * soft_ce(draft, z)
-        acc = (draft.argmax(-1) == z.argmax(-1)).float().mean().item()
-        return loss, acc
+        w = label_weight(mask, 2, out.shape[1])  # entry i stands at position i + 1: its label is token i + 2
+        if w is None:
+            regress = F.smooth_l1_loss(out.float(), f[:, 1:].float())
+        else:
+            regress = weighted_mean(F.smooth_l1_loss(out.float(), f[:, 1:].float(), reduction="none").mean(-1), w)
+        loss = regress + 0.1 * soft_ce(draft, z, w)
+        return loss, top1(draft, z.argmax(-1), w)
 
 
 class _StepKV:
@@ -260,15 +295,17 @@ class Eagle3Train(_EagleCommon):
             yield k, out
             feature = torch.cat([out[:, :1], out[:, :-1]], dim=1)  # step k+1 at t reads step k's output at t-1
 
-    def loss(self, ids, features, logits, step=None):
+    def loss(self, ids, features, logits, step=None, mask=None):
         h = self.drafter.head
         z = logits[:, 1:].index_select(-1, self.draft_ids)  # target's distribution over the draft vocabulary
+        w = label_weight(mask, 2, z.shape[1])  # entry i stands at position i + 1: its label is token i + 2
         total, acc = 0.0, 0.0
         for k, out in self.unroll(ids, features):
             draft = h.lm_head(h.norm(out))[:, k:]  # the first k positions have no step-k entry
-            total = total + 0.8**k * soft_ce(draft, z[:, k:])
+            total = total + 0.8**k * soft_ce(draft, z[:, k:], None if w is None else w[:, k:])
             if k == 0:
-                acc = (self.draft_ids[draft.argmax(-1)] == logits[:, 1:].argmax(-1)).float().mean().item()
+                hit = (self.draft_ids[draft.argmax(-1)] == logits[:, 1:].argmax(-1)).float()
+                acc = (hit.mean() if w is None else weighted_mean(hit, w)).item()
         return total, acc
 
 
@@ -304,9 +341,10 @@ class DraftTrain(TrainHead):
         self.module = draft.train()
         self.drafter, self.tokenizer = draft, tokenizer
 
-    def loss(self, ids, features, logits, step=None):
+    def loss(self, ids, features, logits, step=None, mask=None):
         out = self.module(input_ids=ids).logits  # [B, T, V]
-        return soft_ce(out, logits), (out.argmax(-1) == logits.argmax(-1)).float().mean().item()
+        w = label_weight(mask, 1, out.shape[1])
+        return soft_ce(out, logits, w), top1(out, logits.argmax(-1), w)
 
     def save(self, path):
         path = Path(path)

@@ -143,13 +143,17 @@ class PardTrain(DraftTrain):
         file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         return path
 
-    def loss(self, ids, features, logits, step=None):
+    def loss(self, ids, features, logits, step=None, mask=None):
         rng = None if step is None else np.random.default_rng([self.seed, step, 7])
         kept = cod_keep(ids.shape[1], self.k, self.cod_ratio, self.cod_min, rng)
-        tokens, pos, mask, labels, depth = pard_layout(ids, self.k, self.mask_token, kept)
-        out = self.module(input_ids=tokens, position_ids=pos, attention_mask=mask).logits
+        tokens, pos, attention, labels, depth = pard_layout(ids, self.k, self.mask_token, kept)
+        if mask is not None:  # --assistant-only-loss: entry (t, j)'s label is token t + 1 + j
+            labels = labels.masked_fill(mask[:, (pos[0] + 1).clamp(max=ids.shape[1] - 1)] == 0, -100)
+        out = self.module(input_ids=tokens, position_ids=pos, attention_mask=attention).logits
         loss = F.cross_entropy(out.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
         valid = labels >= 0
+        if not valid.any():  # no assistant label in these windows: nothing to learn (not NaN)
+            loss = out.float().sum() * 0
         if self.distill > 0:  # entry (t, j) predicts x_{t+1+j}: the target's logits at position t + j
             teacher = logits[:, pos[0].clamp(max=ids.shape[1] - 1)]  # [B, S, V]
             loss = (1 - self.distill) * loss + self.distill * soft_ce(out[valid], teacher[valid])

@@ -379,9 +379,9 @@ def test_heldout_metrics_runs_the_target_outside_autocast(one_thread):
     runner, ids, eagle = tiny_eagle_training()
     seen, loss = [], eagle.loss
 
-    def recording_loss(ids, features, logits):
+    def recording_loss(ids, features, logits, step=None, mask=None):
         seen.append(({f.dtype for f in features} | {logits.dtype}, torch.is_autocast_enabled("cpu")))
-        return loss(ids, features, logits)
+        return loss(ids, features, logits, step, mask)
 
     eagle.loss = recording_loss
     f32 = heldout_metrics(eagle, runner, [ids])

@@ -9,7 +9,9 @@ follows the paper and the open trainer that writes z-lab's layout, SpecForge
 
 * *anchors*: per window, up to ``--dflash-anchors`` positions ``a`` drawn at random without
   replacement among ``0 .. T - block_size`` (sorted), from a generator seeded with
-  ``(seed, step)``; evaluation takes them evenly spread instead, so it is deterministic;
+  ``(seed, step)``; evaluation takes them evenly spread instead, so it is deterministic; with
+  ``--assistant-only-loss`` each row draws its own, first among its marked positions (SpecForge
+  draws them on its loss mask), and only labels in assistant turns are scored;
 * each anchor's *block*: the real token ``x_a`` then ``block_size - 1`` mask tokens, at positions
   ``a .. a + block_size - 1``, embedded with the target's embedding (not trained);
 * attention: a block's queries see the context (``hidden_norm(fc(taps))`` of the window's
@@ -37,16 +39,22 @@ __all__ = ["DFlashTrain", "block_layout"]
 
 
 def block_layout(length: int, block_size: int, anchors: torch.Tensor):
-    """For anchors ``[N]`` in a window of ``length`` tokens: ``(positions [N*n], visible
-    [N*n, length], within [N*n, N*n], offset [N*n])`` (n = block_size): each block query's
+    """For anchors ``[N]`` (or ``[B, N]``, a row's own) in a window of ``length`` tokens:
+    ``(positions [N*n], visible [N*n, length], within [N*n, N*n], offset [N*n])`` (n =
+    block_size; positions and visible with the anchors' leading ``B``): each block query's
     position, the context it sees (tokens strictly before its anchor), the block it sees (its
     own), and its offset k in the block."""
-    n = block_size
-    offset = torch.arange(n, device=anchors.device).repeat(anchors.shape[0])  # [N*n]
-    anchor = anchors.repeat_interleave(n)  # [N*n]
-    visible = torch.arange(length, device=anchors.device) < anchor.unsqueeze(1)
-    block = torch.arange(anchors.shape[0], device=anchors.device).repeat_interleave(n)
+    n, count = block_size, anchors.shape[-1]
+    offset = torch.arange(n, device=anchors.device).repeat(count)  # [N*n]
+    anchor = anchors.repeat_interleave(n, dim=-1)  # [..., N*n]
+    visible = torch.arange(length, device=anchors.device) < anchor.unsqueeze(-1)
+    block = torch.arange(count, device=anchors.device).repeat_interleave(n)
     return anchor + offset, visible, block.unsqueeze(1) == block.unsqueeze(0), offset
+
+
+def at_positions(rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """``rows [B, T]`` at block positions ``pos [N*n]`` or ``[B, N*n]`` (past the window: the last)."""
+    return rows.gather(1, pos.clamp(max=rows.shape[1] - 1).expand(rows.shape[0], -1))
 
 
 class DFlashTrain(TrainHead):
@@ -75,15 +83,20 @@ class DFlashTrain(TrainHead):
         self.mask_token = drafter.head.mask_token_id
         self.depth_acc: list[float] = []
 
-    def draw_anchors(self, length: int, step: int | None, device) -> torch.Tensor:
+    def draw_anchors(self, length: int, step: int | None, device, mask=None) -> torch.Tensor:
         """``[N]`` sorted anchors in ``0 .. length - block_size``: random at a training step,
-        evenly spread when evaluating."""
+        evenly spread when evaluating. At a training step with label masks ``mask [B, T]``
+        (``--assistant-only-loss``), ``[B, N]``: each row's own, drawn first among its marked
+        positions (as SpecForge draws them on its loss mask), then among the rest."""
         last = length - self.drafter.head.block_size
         n = min(self.anchors, last + 1)
         if step is None:
             return torch.linspace(0, last, n, device=device).round().long().unique()
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        return torch.randperm(last + 1, generator=g)[:n].sort().values.to(device)
+        if mask is None:
+            return torch.randperm(last + 1, generator=g)[:n].sort().values.to(device)
+        keys = torch.rand(mask.shape[0], last + 1, generator=g) + (mask[:, : last + 1].cpu() == 0)  # marked first
+        return keys.argsort(dim=1)[:, :n].sort(dim=1).values.to(device)
 
     def block_logits(self, ids, features, anchors):
         """Draft logits ``[B, N*n, V]`` of the blocks at ``anchors [N]`` over windows ``ids [B, T]``
@@ -93,7 +106,7 @@ class DFlashTrain(TrainHead):
         pos, visible, within, offset = block_layout(t, head.block_size, anchors)
         states = torch.cat([features[i] for i in drafter.tap_order], dim=-1).to(head.fc.weight.dtype)
         context = head.context(states)  # [B, T, H]
-        blocks = torch.where(offset == 0, ids[:, pos.clamp(max=t - 1)], self.mask_token)  # [B, N*n]
+        blocks = torch.where(offset == 0, at_positions(ids, pos), self.mask_token)  # [B, N*n]
         with torch.no_grad():  # the target's embedding module as the round calls it, not trained
             noise = drafter.target.model.get_input_embeddings()(blocks).to(context.dtype)
         ctx_pos = torch.arange(t, device=ids.device).expand(b, -1)
@@ -105,11 +118,11 @@ class DFlashTrain(TrainHead):
     def loss(self, ids, features, logits, step=None, mask=None):
         b, t = ids.shape
         block_size = self.drafter.head.block_size
-        draft, (pos, offset) = self.block_logits(ids, features, self.draw_anchors(t, step, ids.device))
-        labels = ids[:, pos.clamp(max=t - 1)]  # [B, N*n]: block position k predicts x_{a+k}
+        draft, (pos, offset) = self.block_logits(ids, features, self.draw_anchors(t, step, ids.device, mask))
+        labels = at_positions(ids, pos)  # [B, N*n]: block position k predicts x_{a+k}
         scored = ((offset > 0) & (pos < t)).expand(b, -1)  # [B, N*n]: not the anchor, not past the window
         if mask is not None:  # --assistant-only-loss: only labels in assistant turns
-            scored = scored & (mask[:, pos.clamp(max=t - 1)] > 0)
+            scored = scored & (at_positions(mask, pos) > 0)
         weight = scored.float()
         if self.gamma:
             weight = weight * torch.exp(-(offset - 1).clamp(min=0).float() / self.gamma)

@@ -167,3 +167,28 @@ def test_assistant_only_run_trains_reports_and_resumes_only_as_itself(one_thread
     assert main([*argv, "--resume"]) == 2  # a run of assistant-only loss is not continued as another
     assert main([*argv, "--assistant-only-loss", "--resume"]) == 0
     assert json.loads((tmp_path / "run" / "eval.json").read_text())["steps"] == 4
+
+
+def test_dflash_draws_each_rows_anchors_among_its_marked_positions(one_thread):
+    runner = ModelRunner(tiny_causal_lm("llama", vocab_size=128, num_layers=2), "target")
+    runner.allocate(2, 25)
+    stream = np.random.default_rng(0).integers(0, 120, size=400).astype(np.int32)
+    trainer = build_head(TrainConfig("", "dflash", [], "", **SMALL["dflash"]), runner, stream, None)
+    mask = torch.zeros(2, 24, dtype=torch.long)
+    mask[0, 3:15], mask[1, 10:] = 1, 1  # row 0: 12 marked, row 1: 14 marked, 6 anchors each in 0 .. 20
+    anchors = trainer.draw_anchors(24, 5, "cpu", mask)
+    assert anchors.shape == (2, 6) and torch.equal(anchors, anchors.sort(dim=1).values)
+    assert bool(mask.gather(1, anchors).all()) and not torch.equal(anchors[0], anchors[1])
+    assert torch.equal(anchors, trainer.draw_anchors(24, 5, "cpu", mask))  # a function of (seed, step)
+    assert not torch.equal(anchors, trainer.draw_anchors(24, 6, "cpu", mask))
+    few = torch.zeros_like(mask)
+    few[:, 20:] = 1  # one markable anchor (20): the other five from the rest, all distinct
+    drawn = trainer.draw_anchors(24, 5, "cpu", few)
+    assert all(20 in row and len(set(row)) == 6 for row in drawn.tolist())
+    # per-row anchors that are the same in both rows give the shared anchors' blocks
+    ids = torch.randint(0, 120, (2, 24), generator=torch.Generator().manual_seed(2))
+    _, features = target_pass(runner, ids, trainer.taps)
+    with torch.no_grad():
+        shared, _ = trainer.block_logits(ids, features, anchors[0])
+        per_row, _ = trainer.block_logits(ids, features, anchors[0].expand(2, -1))
+    assert torch.equal(shared, per_row)

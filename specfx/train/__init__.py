@@ -74,7 +74,7 @@ def build_head(cfg: TrainConfig, runner, stream, tokenizer, log=print) -> TrainH
         if token is None and cfg.init is None:
             token = default_mask_token(runner.model.config, tokenizer)
         head = DFlashTrain(runner, cfg.init, cfg.seed, cfg.dflash_block, cfg.draft_layers, token, cfg.dflash_anchors,
-                           cfg.dflash_gamma, cfg.dflash_taps)  # fmt: skip
+                           cfg.dflash_gamma, cfg.dflash_taps, cfg.dflash_distill)  # fmt: skip
         _warn_mask_in_data(head, stream, "DFlash", "--dflash-token", log)
         return head
     if cfg.head == "draft":
@@ -301,7 +301,9 @@ def parser() -> argparse.ArgumentParser:
         ("dflash_token", int, "the mask token id (as --pard-token's default; an --init draft keeps its own)"),
         ("dflash_anchors", int, "blocks per window, at random anchors (SpecForge's num_anchors: 512)"),
         ("dflash_gamma", float, "weight block position k's loss by exp(-(k - 1) / gamma) (absent: no decay)"),
-    )
+        ("dflash_distill", float, "weight w of the target's distribution in every block position's loss, as "
+         "--pard-distill's (0: the data's tokens only, as SpecForge)"),
+    )  # fmt: skip
     for head, flags in (("pard", pard_flags), ("dflash", dflash_flags)):
         for name, kind, text in flags:
             default = getattr(defaults, name)

@@ -54,6 +54,7 @@ class TrainConfig:
     dflash_anchors: int = 512
     dflash_gamma: float | None = None
     dflash_taps: list[int] | None = None
+    dflash_distill: float = 0.0
     eval_prompts: int = 4
     eval_prompt_len: int = 64
     eval_new_tokens: int = 48
@@ -86,8 +87,9 @@ class TrainConfig:
                 f"--pard-cod-ratio must be in (0, 1] and --pard-cod-min in [0, 1], got {self.pard_cod_ratio} and "
                 f"{self.pard_cod_min}."
             )
-        if not 0 <= self.pard_distill <= 1:
-            raise ValueError(f"--pard-distill must be in [0, 1], got {self.pard_distill}.")
+        for name in ("pard_distill", "dflash_distill"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(self, name)}.")
         if self.head == "pard" and self.seq_len < self.pard_k + 2:
             raise ValueError(f"--head pard: --seq-len must be >= --pard-k + 2, got {self.seq_len}.")
         if self.dflash_block < 2 or self.dflash_anchors < 1:

@@ -20,7 +20,10 @@ follows the paper and the open trainer that writes z-lab's layout, SpecForge
 * block position ``k = 1 .. block_size - 1`` predicts ``x_{a+k}`` (hard labels from the data,
   through the target's LM head, not trained); position 0 (the anchor) and labels past the window
   carry no loss; the loss is the weighted mean cross-entropy, weight ``exp(-(k - 1) / gamma)``
-  with ``--dflash-gamma`` (off by default, as SpecForge's ``loss_decay_gamma=None``).
+  with ``--dflash-gamma`` (off by default, as SpecForge's ``loss_decay_gamma=None``);
+* ``--dflash-distill w`` (not the reference's: its labels are hard) mixes in the target's
+  distribution at the label's predecessor, ``(1 - w)`` hard plus ``w`` soft cross-entropy per
+  entry, as ``--pard-distill`` does for PARD (the EAGLE heads' loss is the soft one).
 
 The context's keys are computed afresh per window (no cache); the forward is
 :meth:`~specfx.drafters.heads.dflash_head.DFlashHead.blocks`, the layers the drafter runs, so what
@@ -64,7 +67,7 @@ class DFlashTrain(TrainHead):
 
     kind = "dflash"
 
-    def __init__(self, runner, init, seed, block_size, layers, mask_token, anchors, gamma, taps=None):
+    def __init__(self, runner, init, seed, block_size, layers, mask_token, anchors, gamma, taps=None, distill=0.0):
         if init is not None:
             if taps is not None:
                 raise ValueError("--dflash-taps: an --init draft reads the taps its config names; leave the flag out.")
@@ -79,7 +82,7 @@ class DFlashTrain(TrainHead):
             )
         drafter.bind(runner)
         self.drafter, self.taps, self.module = drafter, drafter.taps, drafter.head.train()
-        self.seed, self.anchors, self.gamma = seed, anchors, gamma
+        self.seed, self.anchors, self.gamma, self.distill = seed, anchors, gamma, float(distill)
         self.mask_token = drafter.head.mask_token_id
         self.depth_acc: list[float] = []
 
@@ -127,6 +130,11 @@ class DFlashTrain(TrainHead):
         if self.gamma:
             weight = weight * torch.exp(-(offset - 1).clamp(min=0).float() / self.gamma)
         ce = F.cross_entropy(draft.float().flatten(0, 1), labels.flatten(), reduction="none").view(b, -1)
+        if self.distill > 0:  # block position k predicts x_{a+k}: the target's distribution at position a + k - 1
+            at = (pos - 1).clamp(min=0, max=t - 1).expand(b, -1)
+            teacher = logits.gather(1, at.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))  # [B, N*n, V]
+            soft = -(F.softmax(teacher.float(), -1) * F.log_softmax(draft.float(), -1)).sum(-1)
+            ce = (1 - self.distill) * ce + self.distill * soft
         loss = (ce * weight).sum() / weight.sum().clamp(min=1e-6)
         hit = (draft.argmax(-1) == labels) & scored
         self.depth_acc = [

@@ -107,3 +107,24 @@ def test_dflash_taps_are_the_ones_asked_for(one_thread, tiny_dir, toy, tmp_path)
         assert main(args(tiny_dir, toy, tmp_path / "c", "--dflash-taps", *bad, *common)) == 2
     init = ("--init", str(tmp_path / "a" / "head"))
     assert main(args(tiny_dir, toy, tmp_path / "d", *init, "--dflash-taps", "0", *common)) == 2
+
+
+@pytest.mark.parametrize("weight", [1.0, 0.25])
+def test_distilled_loss_is_the_targets_distribution_at_each_labels_predecessor(one_thread, weight):
+    """``--dflash-distill w``: each scored block entry's loss is (1 - w) x cross-entropy against the data's
+    token + w x cross-entropy against the target's distribution at the position before its label."""
+    runner = ModelRunner(tiny_causal_lm("llama", vocab_size=128, num_layers=2), "target")
+    runner.allocate(2, 17)
+    ids = torch.randint(0, 120, (2, 16), generator=torch.Generator().manual_seed(4))
+    trainer = DFlashTrain(runner, None, 0, 4, 1, 127, anchors=5, gamma=None, distill=weight)
+    logits, features = target_pass(runner, ids, trainer.taps)
+    anchors = trainer.draw_anchors(16, None, ids.device)
+    with torch.no_grad():
+        loss, _ = trainer.loss(ids, features, logits)
+        draft, (pos, offset) = trainer.block_logits(ids, features, anchors)
+    scored = (offset > 0) & (pos < 16)
+    p, q = pos[scored], draft[:, scored].float()
+    hard = torch.nn.functional.cross_entropy(q.flatten(0, 1), ids[:, p].flatten())
+    soft = -(logits[:, p - 1].float().softmax(-1) * q.log_softmax(-1)).sum(-1).mean()
+    assert loss.item() == pytest.approx(((1 - weight) * hard + weight * soft).item(), rel=1e-5)
+    assert soft.item() != pytest.approx(hard.item(), rel=1e-2)  # the two targets differ here

@@ -37,7 +37,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import MISSING, asdict, fields
 from pathlib import Path
 
 import torch
@@ -134,7 +134,9 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
             raise ValueError(
                 f"--out {str(out)!r} already holds a training checkpoint: pass --resume to continue it, or a new --out."
             )
-        saved = {"assistant_only_loss": False} | json.loads(cfg_path.read_text())  # runs from before the flag
+        # an option added since the run was written (--assistant-only-loss, say) reads as its default
+        known = {f.name: f.default for f in fields(TrainConfig) if f.default is not MISSING}
+        saved = known | json.loads(cfg_path.read_text())
         fixed = {k: v for k, v in saved.items() if k not in FREE}
         mine = {k: v for k, v in asdict(cfg).items() if k not in FREE}
         # the same data files named from another directory (relative against absolute) are the same run

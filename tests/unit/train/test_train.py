@@ -142,11 +142,15 @@ def test_train_refuses_bad_arguments(one_thread, tiny_dir, corpus, tmp_path, cap
 
 def test_resume_accepts_the_same_data_named_otherwise(one_thread, tiny_dir, corpus, tmp_path, monkeypatch, capsys):
     """A run started with its data named relatively resumes with the same files named
-    absolutely (the SmolLM2 recipe changed so between sessions); other data is refused."""
+    absolutely (the SmolLM2 recipe changed so between sessions), and a run written before an
+    option existed resumes as if it had its default; other data is refused."""
     common = ("--steps", "2", "--eval-prompts", "0", "--ckpt-every", "1")
     out = tmp_path / "run"
     monkeypatch.chdir(corpus.parent)
     assert main(args(tiny_dir, "eagle", Path(corpus.name), out, "--stop-after", "1", *common)) == 0
+    saved = json.loads((out / "config.json").read_text())  # as a run from before these options wrote it
+    del saved["assistant_only_loss"], saved["dflash_distill"]
+    (out / "config.json").write_text(json.dumps(saved))
     assert main(args(tiny_dir, "eagle", corpus.resolve(), out, "--resume", *common)) == 0
     assert json.loads((out / "ckpt" / "meta.json").read_text())["step"] == 2
     other = tmp_path / "other"

@@ -177,6 +177,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
         step, history = load_checkpoint(ckpt, head, opt)
         log(f"resumed from step {step}")
     windows = Windows(train_ids, cfg.seq_len, cfg.batch_size, cfg.seed)
+    mask_windows = None if train_mask is None else Windows(train_mask, cfg.seq_len, cfg.batch_size, cfg.seed)
     cache = None
     if cfg.cache_features and not reads_target(head):
         raise ValueError(f"--cache-features: --head {cfg.head} reads no target features; drop the flag.")
@@ -210,7 +211,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
         elif cache is not None:
             mask = cache.mask_at(step, train_mask)
         else:  # the same starts as the windows: one generator, seeded (seed, step)
-            mask = Windows(train_mask, cfg.seq_len, cfg.batch_size, cfg.seed).at(step).to(runner.device)
+            mask = mask_windows.at(step).to(runner.device)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, peak=cfg.lr, warmup=cfg.warmup, steps=cfg.steps)
         with cfg.autocast():

@@ -190,10 +190,8 @@ def _label_mask(tokenizer, text: str) -> list[int]:
     mask = [0] * len(offsets)
     for start, end in spans or ():
         inside = [i for i, (a, b) in enumerate(offsets) if a < end and b > start]
-        if inside:
-            last = inside[-1] + 1
-            for i in range(inside[0], min(last + 1, len(mask))):  # the content, then its end of turn
-                mask[i] = 1
+        if inside:  # the content, then its end of turn
+            mask[inside[0] : inside[-1] + 2] = [1] * len(mask[inside[0] : inside[-1] + 2])
     return mask
 
 
@@ -215,11 +213,11 @@ def label_streams(tokenizer, texts: list[str], permille: int, length: int):
             "--assistant-only-loss: --data holds no chat records with assistant turns (JSONL objects with "
             '"messages"); leave the flag out to learn every token.'
         )
-    masks = {id(t): _label_mask(tokenizer, t) for t in texts}
+    per_text = {id(t): _label_mask(tokenizer, t) for t in texts}
     sep = [0] if tokenizer.eos_token_id is not None else []
 
     def mask_of(docs):
-        return np.asarray([m for t in docs for m in masks[id(t)] + sep], dtype=np.uint8)
+        return np.asarray([m for t in docs for m in per_text[id(t)] + sep], dtype=np.uint8)
 
     train, held = split_texts(texts, permille)
     ids = streams(tokenizer, texts, permille, length)

@@ -63,7 +63,10 @@ def _warn_mask_in_data(head, stream, name: str, flag: str, log) -> None:
             f"{flag} with an id the tokenizer never produces")  # fmt: skip
 
 
-def build_head(cfg: TrainConfig, runner, stream, tokenizer, log=print) -> TrainHead:
+def build_head(cfg: TrainConfig, runner, stream, tokenizer, log=print, mask=None) -> TrainHead:
+    """The trained head ``cfg.head`` for ``runner``'s target over the token ``stream``; ``mask``
+    (``--assistant-only-loss``'s label mask, beside ``stream``) keeps an EAGLE-3 draft
+    vocabulary to the tokens it learns, as SpecForge counts only loss-masked tokens."""
     if cfg.head == "pard":
         head = PardTrain(runner, cfg.init, cfg.seed, cfg.draft_layers, cfg.draft_hidden, tokenizer, cfg.pard_k,
                          cfg.pard_token, cfg.pard_cod_ratio, cfg.pard_cod_min, cfg.pard_distill)  # fmt: skip
@@ -85,7 +88,8 @@ def build_head(cfg: TrainConfig, runner, stream, tokenizer, log=print) -> TrainH
     if cfg.head == "eagle":
         return EagleTrain(runner, cfg.init, cfg.seed, cfg.feature_noise)
     sizes = {n: getattr(cfg, n) for n in LAYER_SIZES if getattr(cfg, n) is not None}
-    return Eagle3Train(runner, cfg.init, cfg.seed, cfg.draft_vocab_size, stream, cfg.ttt_steps, sizes)
+    learnt = stream if mask is None else stream[mask > 0]
+    return Eagle3Train(runner, cfg.init, cfg.seed, cfg.draft_vocab_size, learnt, cfg.ttt_steps, sizes)
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -164,7 +168,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
     model = load_causal_lm(cfg.target, device=cfg.device)
     runner = ModelRunner(model, "target")
     runner.allocate(cfg.batch_size, cfg.seq_len + 1)
-    head = build_head(cfg, runner, train_ids, tokenizer, log)
+    head = build_head(cfg, runner, train_ids, tokenizer, log, train_mask)
     params = list(head.module.parameters())
     decay = [p for p in params if p.ndim >= 2]
     other = [p for p in params if p.ndim < 2]

@@ -192,3 +192,16 @@ def test_dflash_draws_each_rows_anchors_among_its_marked_positions(one_thread):
         shared, _ = trainer.block_logits(ids, features, anchors[0])
         per_row, _ = trainer.block_logits(ids, features, anchors[0].expand(2, -1))
     assert torch.equal(shared, per_row)
+
+
+def test_eagle3_draft_vocabulary_counts_only_the_marked_tokens(one_thread):
+    """SpecForge builds an EAGLE-3 head's vocabulary from the loss-masked tokens: the template's
+    frequent ids (here 100..119, most of the stream) must not crowd the answers' ids out."""
+    runner = ModelRunner(tiny_causal_lm("llama", vocab_size=128, num_layers=2), "target")
+    runner.allocate(2, 17)
+    rng = np.random.default_rng(0)
+    stream = np.concatenate([rng.integers(100, 120, size=300), rng.integers(0, 10, size=100)]).astype(np.int32)
+    mask = np.r_[np.zeros(300), np.ones(100)].astype(np.uint8)
+    cfg = TrainConfig("", "eagle3", [], "", draft_vocab_size=10)
+    assert build_head(cfg, runner, stream, None).draft_ids.tolist() != list(range(10))
+    assert build_head(cfg, runner, stream, None, mask=mask).draft_ids.tolist() == list(range(10))

@@ -191,7 +191,8 @@ def _label_mask(tokenizer, text: str) -> list[int]:
     for start, end in spans or ():
         inside = [i for i, (a, b) in enumerate(offsets) if a < end and b > start]
         if inside:  # the content, then its end of turn
-            mask[inside[0] : inside[-1] + 2] = [1] * len(mask[inside[0] : inside[-1] + 2])
+            first, stop = inside[0], min(inside[-1] + 2, len(mask))
+            mask[first:stop] = [1] * (stop - first)
     return mask
 
 
